@@ -1,0 +1,1 @@
+"""Checkpoint formats: HF safetensors (`hf`), later Orbax."""

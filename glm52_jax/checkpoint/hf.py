@@ -1,0 +1,449 @@
+"""HF checkpoint I/O: GLM-MoE-DSA safetensors <-> our stacked Flax parameters.
+
+Loading reads `config.json`, checks every tensor's presence, shape and dtype against the config
+from the headers alone, and only then reads data, one parameter at a time, each straight into its
+(optionally sharded) device array: with a mesh, each device's callback reads just its own slice.
+Routed experts may be stored per expert (`mlp.experts.E.gate_proj.weight`, as HF saves and GLM-5
+releases ship) or fused 3-D (`mlp.experts.gate_up_proj`, HF's in-memory layout). Multi-token
+prediction layers (`model.layers.{N}.*` for N >= num_hidden_layers) are skipped with a log line.
+
+Saving writes per-expert names, sharded with `model.safetensors.index.json` above
+`max_shard_bytes`, into a temporary directory that replaces the files only when complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from glm52_jax.checkpoint.safetensors_io import LazyTensor, SafetensorsFile, write_safetensors
+from glm52_jax.config import ModelConfig
+from glm52_jax.model.options import ModelOptions
+from glm52_jax.model.transformer import GlmMoeDsa
+from glm52_jax.parallel.rules import logical_to_spec
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+# ------------------------------------------------------------------------------------------------
+# Layout transforms between HF tensors ([out, in] linear weights) and ours ([in, ..., out]).
+
+
+def _t(a):
+    return np.swapaxes(a, -1, -2)
+
+
+def _q_b(cfg):  # [H*(n+r), Q] <-> [Q, H, n+r]
+    h, e = cfg.num_attention_heads, cfg.qk_head_dim
+    return (lambda a: a.reshape(h, e, -1).transpose(2, 0, 1),
+            lambda o: o.transpose(1, 2, 0).reshape(h * e, -1))
+
+
+def _wq_b(cfg):  # [IH*ID, Q] <-> [Q, IH, ID]
+    h, d = cfg.index_n_heads, cfg.index_head_dim
+    return (lambda a: a.reshape(h, d, -1).transpose(2, 0, 1),
+            lambda o: o.transpose(1, 2, 0).reshape(h * d, -1))
+
+
+def _o(cfg):  # [D, H*V] <-> [H, V, D]
+    h, v = cfg.num_attention_heads, cfg.v_head_dim
+    return (lambda a: a.reshape(a.shape[0], h, v).transpose(1, 2, 0),
+            lambda o: o.transpose(2, 0, 1).reshape(o.shape[2], h * v))
+
+
+def _kv_b_part(cfg, part):  # [H*(n+v), C] -> [C, H, n] or [C, H, v]
+    h, n = cfg.num_attention_heads, cfg.qk_nope_head_dim
+    def to_ours(a):
+        a = a.reshape(h, -1, a.shape[-1])
+        a = a[:, :n] if part == "k" else a[:, n:]
+        return a.transpose(2, 0, 1)
+    return to_ours
+
+
+@dataclasses.dataclass(frozen=True)
+class _LayerParam:
+    """One per-layer parameter: our path inside a DecoderLayer, and how it maps to HF tensors."""
+
+    path: tuple[str, ...]
+    hf: str  # suffix after `model.layers.{i}.`
+    to_ours: Callable
+    to_hf: Callable | None  # None: written together with another parameter (kv_b)
+
+
+def _layer_params(cfg: ModelConfig, mlp_type: str, indexer_type: str) -> list[_LayerParam]:
+    ident = lambda a: a  # noqa: E731
+    q_b, wq_b, o = _q_b(cfg), _wq_b(cfg), _o(cfg)
+    out = [
+        _LayerParam(("input_layernorm", "weight"), "input_layernorm.weight", ident, ident),
+        _LayerParam(("post_attention_layernorm", "weight"), "post_attention_layernorm.weight", ident, ident),
+        _LayerParam(("self_attn", "q_a_proj"), "self_attn.q_a_proj.weight", _t, _t),
+        _LayerParam(("self_attn", "q_a_layernorm", "weight"), "self_attn.q_a_layernorm.weight", ident, ident),
+        _LayerParam(("self_attn", "q_b_proj"), "self_attn.q_b_proj.weight", *q_b),
+        _LayerParam(("self_attn", "kv_a_proj_with_mqa"), "self_attn.kv_a_proj_with_mqa.weight", _t, _t),
+        _LayerParam(("self_attn", "kv_a_layernorm", "weight"), "self_attn.kv_a_layernorm.weight", ident, ident),
+        _LayerParam(("self_attn", "w_uk"), "self_attn.kv_b_proj.weight", _kv_b_part(cfg, "k"), None),
+        _LayerParam(("self_attn", "w_uv"), "self_attn.kv_b_proj.weight", _kv_b_part(cfg, "v"), None),
+        _LayerParam(("self_attn", "o_proj"), "self_attn.o_proj.weight", *o),
+    ]
+    if indexer_type == "full":
+        out += [
+            _LayerParam(("self_attn", "indexer", "wq_b"), "self_attn.indexer.wq_b.weight", *wq_b),
+            _LayerParam(("self_attn", "indexer", "wk"), "self_attn.indexer.wk.weight", _t, _t),
+            _LayerParam(("self_attn", "indexer", "k_norm", "weight"), "self_attn.indexer.k_norm.weight", ident, ident),
+            _LayerParam(("self_attn", "indexer", "k_norm", "bias"), "self_attn.indexer.k_norm.bias", ident, ident),
+            _LayerParam(("self_attn", "indexer", "weights_proj"), "self_attn.indexer.weights_proj.weight", _t, _t),
+        ]
+    mlp_prefix = "mlp.shared_experts." if mlp_type == "sparse" else "mlp."
+    mlp_path = ("mlp", "shared_experts") if mlp_type == "sparse" else ("mlp",)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        out.append(_LayerParam(mlp_path + (proj,), f"{mlp_prefix}{proj}.weight", _t, _t))
+    if mlp_type == "sparse":
+        out += [
+            _LayerParam(("mlp", "router"), "mlp.gate.weight", _t, _t),
+            _LayerParam(("mlp", "e_score_correction_bias"), "mlp.gate.e_score_correction_bias", ident, ident),
+        ]
+    return out
+
+
+_EXPERT_PARAMS = {("mlp", "w_gate"): "gate_proj", ("mlp", "w_up"): "up_proj", ("mlp", "w_down"): "down_proj"}
+
+
+def _layer_map(model_or_cfg) -> dict[int, tuple[int, int, int]]:
+    """layer id -> (stack index, repeat, slot in unit)."""
+    from glm52_jax.model.transformer import layer_kinds, plan_segments
+    cfg = model_or_cfg if isinstance(model_or_cfg, ModelConfig) else model_or_cfg.cfg
+    out = {}
+    for s, seg in enumerate(plan_segments(layer_kinds(cfg))):
+        for rep in range(seg.repeats):
+            for slot in range(len(seg.unit)):
+                out[seg.start + rep * len(seg.unit) + slot] = (s, rep, slot)
+    return out
+
+
+def expected_tensors(cfg: ModelConfig, fused_experts: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name the config implies, with its shape."""
+    d, v = cfg.hidden_size, cfg.vocab_size
+    out = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (v, d)
+    h, n, r, vd, c, q = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                         cfg.kv_lora_rank, cfg.q_lora_rank)
+    ih, idim, e, i_moe = cfg.index_n_heads, cfg.index_head_dim, cfg.n_routed_experts, cfg.moe_intermediate_size
+    for layer, (mlp_type, indexer_type) in enumerate(zip(cfg.mlp_layer_types, cfg.indexer_types)):
+        p = f"model.layers.{layer}."
+        shapes = {
+            "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
+            "self_attn.q_a_proj.weight": (q, d), "self_attn.q_a_layernorm.weight": (q,),
+            "self_attn.q_b_proj.weight": (h * (n + r), q), "self_attn.kv_a_proj_with_mqa.weight": (c + r, d),
+            "self_attn.kv_a_layernorm.weight": (c,), "self_attn.kv_b_proj.weight": (h * (n + vd), c),
+            "self_attn.o_proj.weight": (d, h * vd),
+        }
+        if indexer_type == "full":
+            shapes.update({
+                "self_attn.indexer.wq_b.weight": (ih * idim, q), "self_attn.indexer.wk.weight": (idim, d),
+                "self_attn.indexer.k_norm.weight": (idim,), "self_attn.indexer.k_norm.bias": (idim,),
+                "self_attn.indexer.weights_proj.weight": (ih, d),
+            })
+        if mlp_type == "dense":
+            ii = cfg.intermediate_size
+            shapes.update({"mlp.gate_proj.weight": (ii, d), "mlp.up_proj.weight": (ii, d), "mlp.down_proj.weight": (d, ii)})
+        else:
+            si = i_moe * cfg.n_shared_experts
+            shapes.update({
+                "mlp.shared_experts.gate_proj.weight": (si, d), "mlp.shared_experts.up_proj.weight": (si, d),
+                "mlp.shared_experts.down_proj.weight": (d, si),
+                "mlp.gate.weight": (e, d), "mlp.gate.e_score_correction_bias": (e,),
+            })
+            if fused_experts:
+                shapes.update({"mlp.experts.gate_up_proj": (e, 2 * i_moe, d), "mlp.experts.down_proj": (e, d, i_moe)})
+            else:
+                for x in range(e):
+                    shapes.update({f"mlp.experts.{x}.gate_proj.weight": (i_moe, d),
+                                   f"mlp.experts.{x}.up_proj.weight": (i_moe, d),
+                                   f"mlp.experts.{x}.down_proj.weight": (d, i_moe)})
+        out.update({p + k: s for k, s in shapes.items()})
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading.
+
+
+class _Checkpoint:
+    """Tensor name -> lazily opened file, for a single file or an index-sharded checkpoint."""
+
+    def __init__(self, path: str):
+        self.path = path
+        index = os.path.join(path, INDEX_FILE)
+        single = os.path.join(path, SINGLE_FILE)
+        if os.path.exists(index):
+            with open(index, encoding="utf-8") as f:
+                try:
+                    weight_map = json.load(f)["weight_map"]
+                except (json.JSONDecodeError, KeyError) as e:
+                    raise ValueError(f"{index}: not a valid safetensors index ({e})") from None
+            files = sorted(set(weight_map.values()))
+        elif os.path.exists(single):
+            weight_map, files = None, [SINGLE_FILE]
+        else:
+            raise ValueError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} found")
+        self.files = {}
+        for name in files:
+            fp = os.path.join(path, name)
+            if not os.path.exists(fp):
+                raise ValueError(f"{index}: lists shard {name!r}, which does not exist")
+            self.files[name] = SafetensorsFile(fp)
+        self.where: dict[str, SafetensorsFile] = {}
+        for name, f in self.files.items():
+            for key in f.keys():
+                self.where[key] = f
+        if weight_map is not None:
+            for key, fname in weight_map.items():
+                if key not in self.where:
+                    raise ValueError(f"{index}: tensor {key!r} is listed in {fname!r} but not stored there")
+
+    def info(self, name):
+        return self.where[name].tensors[name]
+
+    def get(self, name) -> np.ndarray:
+        return self.where[name].get(name)
+
+
+def _check_inventory(cfg: ModelConfig, ckpt: _Checkpoint) -> bool:
+    """Validates names, shapes and dtypes from headers; returns True for the fused expert layout."""
+    names = set(ckpt.where)
+    scaled = sorted(n for n in names if n.endswith("weight_scale_inv"))
+    if scaled:
+        raise ValueError(f"{ckpt.path}: FP8 checkpoints (e.g. {scaled[0]!r}) are not supported; "
+                         f"use the BF16 release")
+    mtp = sorted(n for n in names if (m := _LAYER_RE.match(n)) and int(m.group(1)) >= cfg.num_hidden_layers
+                 and int(m.group(1)) < cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+    if mtp:
+        log.info("skipping %d multi-token-prediction tensors (layers >= %d)", len(mtp), cfg.num_hidden_layers)
+        names -= set(mtp)
+    fused = any(n.endswith("mlp.experts.gate_up_proj") for n in names)
+    expected = expected_tensors(cfg, fused_experts=fused)
+    missing = sorted(set(expected) - names)
+    unexpected = sorted(names - set(expected))
+    extra_layers = sorted({int(m.group(1)) for n in unexpected if (m := _LAYER_RE.match(n))
+                           and int(m.group(1)) >= cfg.num_hidden_layers})
+    if extra_layers:
+        raise ValueError(f"config.json does not match the weights: num_hidden_layers={cfg.num_hidden_layers} "
+                         f"but the checkpoint has tensors for layer(s) {extra_layers}")
+    if missing:
+        raise ValueError(f"{ckpt.path}: missing tensor(s) {missing[:5]}" + (f" and {len(missing) - 5} more"
+                                                                           if len(missing) > 5 else ""))
+    if unexpected:
+        raise ValueError(f"{ckpt.path}: unexpected tensor(s) {unexpected[:5]}" +
+                         (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""))
+    for name, shape in expected.items():
+        info = ckpt.info(name)
+        if info.shape != shape:
+            raise ValueError(f"config.json does not match the weights: tensor {name!r} has shape {info.shape}, "
+                             f"but the config implies {shape}")
+        if info.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"tensor {name!r} has dtype {info.dtype}; expected a float type {_FLOAT_DTYPES}")
+    return fused
+
+
+def _per_layer_reader(cfg: ModelConfig, ckpt: _Checkpoint, fused: bool, kind, rel_path):
+    """fn(layer, expert_slice) -> per-layer array in our layout (float32 or the stored float)."""
+    if rel_path in _EXPERT_PARAMS:
+        proj = _EXPERT_PARAMS[rel_path]
+        i_moe = cfg.moe_intermediate_size
+
+        def read_experts(layer, experts: slice):
+            p = f"model.layers.{layer}.mlp.experts."
+            ids = range(cfg.n_routed_experts)[experts]
+            if fused:
+                if proj == "down_proj":
+                    a = ckpt.get(p + "down_proj")[experts]
+                else:
+                    a = ckpt.get(p + "gate_up_proj")[experts]
+                    a = a[:, :i_moe] if proj == "gate_proj" else a[:, i_moe:]
+                return _t(a)
+            return np.stack([_t(ckpt.get(f"{p}{x}.{proj}.weight")) for x in ids])
+        return read_experts, True
+    spec = {lp.path: lp for lp in _layer_params(cfg, *kind)}[rel_path]
+    return (lambda layer, _: spec.to_ours(ckpt.get(f"model.layers.{layer}.{spec.hf}"))), False
+
+
+def load_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, shardings=None,
+                    options: ModelOptions | None = None) -> GlmMoeDsa:
+    """Loads an HF GLM-MoE-DSA checkpoint directory into a `GlmMoeDsa`.
+
+    dtype: parameter dtype (router, correction bias and indexer `weights_proj` stay float32).
+    shardings: None (default device) or a `jax.sharding.Mesh`; with a mesh each parameter is
+      sharded by its logical axis names (`parallel.rules`) and every device reads only its slice.
+    `$GLM52_ROPE_SCALING_JSON`, when set, applies a position-extension payload to the config.
+    """
+    path = os.fspath(path)
+    cfg = ModelConfig.from_json_file(os.path.join(path, "config.json")).with_env_rope_scaling()
+    opts = dataclasses.replace(options or ModelOptions(), param_dtype=dtype)
+    ckpt = _Checkpoint(path)
+    fused = _check_inventory(cfg, ckpt)
+    abstract = nnx.eval_shape(lambda: GlmMoeDsa(cfg, opts, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    layer_of = {v: k for k, v in _layer_map(cfg).items()}
+    kinds = list(zip(cfg.mlp_layer_types, cfg.indexer_types))
+    globals_ = {
+        ("embed_tokens",): ("model.embed_tokens.weight", lambda a: a),
+        ("norm", "weight"): ("model.norm.weight", lambda a: a),
+        ("lm_head",): ("lm_head.weight", _t),
+    }
+    flat = nnx.to_flat_state(state)
+    leaves = []
+    for key, var in flat:
+        shape, target = tuple(var.value.shape), var.value.dtype
+        if key in globals_:
+            name, fn = globals_[key]
+            def read(index, name=name, fn=fn):
+                return fn(ckpt.get(name))[index]
+        else:
+            if key[0] != "stacks" or key[2] != "layers":
+                raise AssertionError(f"unmapped parameter {key}")
+            stack, slot, rel = key[1], key[3], tuple(key[4:])
+            layer0 = layer_of[(stack, 0, slot)]
+            reader, is_expert = _per_layer_reader(cfg, ckpt, fused, kinds[layer0], rel)
+
+            def read(index, stack=stack, slot=slot, reader=reader, is_expert=is_expert):
+                reps = range(shape[0])[index[0]]
+                expert_index = index[1] if is_expert else slice(None)
+                rest = (slice(None),) + tuple(index[2:]) if is_expert else tuple(index[1:])
+                parts = [np.asarray(reader(layer_of[(stack, rep, slot)], expert_index))[rest] for rep in reps]
+                return np.stack(parts)
+        leaves.append((key, var, _materialize(read, shape, target, var, shardings)))
+    return nnx.merge(graphdef, nnx.from_flat_state([(k, v.replace(value)) for k, v, value in leaves]))
+
+
+def _materialize(read, shape, dtype, var, mesh) -> jax.Array:
+    def cast(a):
+        return np.asarray(a).astype(np.float32).astype(dtype) if a.dtype != dtype else np.asarray(a)
+
+    if mesh is None:
+        full = tuple(slice(None) for _ in shape)
+        return jnp.asarray(cast(read(full)))
+    axes = var.get_metadata().get("out_sharding") or (None,) * len(shape)
+    sharding = jax.sharding.NamedSharding(mesh, logical_to_spec(axes, mesh_axes=mesh.axis_names))
+    return jax.make_array_from_callback(shape, sharding, lambda index: cast(read(index)))
+
+
+# ------------------------------------------------------------------------------------------------
+# Writing.
+
+
+def _hf_tensors(model: GlmMoeDsa) -> list[tuple[str, LazyTensor]]:
+    """Every HF tensor of `model` as a lazily computed host array, in a stable order."""
+    cfg = model.cfg
+    _, state = nnx.split(model)
+    values = {k: v.value for k, v in nnx.to_flat_state(state)}
+    out: list[tuple[str, LazyTensor]] = []
+
+    def add(name, shape, dtype, fn):
+        out.append((name, LazyTensor(shape, dtype, fn)))
+
+    def host(x):
+        return np.asarray(jax.device_get(x))
+
+    emb = values[("embed_tokens",)]
+    add("model.embed_tokens.weight", emb.shape, emb.dtype, lambda: host(emb))
+    add("model.norm.weight", values[("norm", "weight")].shape, values[("norm", "weight")].dtype,
+        lambda: host(values[("norm", "weight")]))
+    if not cfg.tie_word_embeddings:
+        lm = values[("lm_head",)]
+        add("lm_head.weight", lm.shape[::-1], lm.dtype, lambda: _t(host(lm)))
+    shapes = expected_tensors(cfg)
+    for layer, (stack, rep, slot) in sorted(_layer_map(cfg).items()):
+        kind = (cfg.mlp_layer_types[layer], cfg.indexer_types[layer])
+        p = f"model.layers.{layer}."
+
+        def val(rel, stack=stack, slot=slot):
+            return values[("stacks", stack, "layers", slot) + rel]
+
+        for lp in _layer_params(cfg, *kind):
+            name = p + lp.hf
+            if lp.to_hf is None:
+                if lp.path[-1] != "w_uk":
+                    continue
+                uk, uv = val(("self_attn", "w_uk")), val(("self_attn", "w_uv"))
+
+                def kv_b(uk=uk, uv=uv, rep=rep):
+                    k, v = host(uk[rep]), host(uv[rep])  # [C,H,n], [C,H,v]
+                    both = np.concatenate([k, v], axis=-1).transpose(1, 2, 0)  # [H, n+v, C]
+                    return both.reshape(-1, both.shape[-1])
+                add(name, shapes[name], uk.dtype, kv_b)
+                continue
+            arr = val(lp.path)
+            add(name, shapes[name], arr.dtype, lambda arr=arr, rep=rep, f=lp.to_hf: f(host(arr[rep])))
+        if kind[0] == "sparse":
+            for rel, proj in _EXPERT_PARAMS.items():
+                arr = val(rel)
+                for x in range(cfg.n_routed_experts):
+                    name = f"{p}mlp.experts.{x}.{proj}.weight"
+                    add(name, shapes[name], arr.dtype, lambda arr=arr, rep=rep, x=x: _t(host(arr[rep, x])))
+    return out
+
+
+def save_pretrained(model: GlmMoeDsa, path: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Writes `config.json` and safetensors (per-expert names) that HF transformers loads.
+
+    Files are written into a temporary directory beside `path` and moved in only when all are
+    complete, so an interrupted save leaves any previous checkpoint intact.
+    """
+    path = os.fspath(path)
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tensors = _hf_tensors(model)
+    shards: list[list[tuple[str, LazyTensor]]] = [[]]
+    size = 0
+    for name, t in tensors:
+        nbytes = int(np.prod(t.shape)) * t.dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, t))
+        size += nbytes
+    tmp = tempfile.mkdtemp(prefix=".glm52-save-", dir=parent)
+    try:
+        model.cfg.save_json(os.path.join(tmp, "config.json"))
+        if len(shards) == 1:
+            write_safetensors(os.path.join(tmp, SINGLE_FILE), shards[0])
+            names = [SINGLE_FILE]
+        else:
+            names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+            weight_map = {}
+            for fname, shard in zip(names, shards):
+                write_safetensors(os.path.join(tmp, fname), shard)
+                weight_map.update({n: fname for n, _ in shard})
+            total = sum(int(np.prod(t.shape)) * t.dtype.itemsize for _, t in tensors)
+            with open(os.path.join(tmp, INDEX_FILE), "w", encoding="utf-8") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+            names.append(INDEX_FILE)
+        os.makedirs(path, exist_ok=True)
+        # Remove the other layout's files so the directory holds exactly one checkpoint.
+        stale = [SINGLE_FILE, INDEX_FILE] + [f for f in os.listdir(path) if re.fullmatch(r"model-\d+-of-\d+\.safetensors", f)]
+        for f in stale:
+            if f not in names and os.path.exists(os.path.join(path, f)):
+                os.remove(os.path.join(path, f))
+        for f in names + ["config.json"]:
+            os.replace(os.path.join(tmp, f), os.path.join(path, f))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

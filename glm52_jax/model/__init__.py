@@ -1,0 +1,1 @@
+"""GLM-MoE-DSA model in Flax NNX."""

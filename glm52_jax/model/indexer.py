@@ -1,0 +1,119 @@
+"""DSA lightning indexer and its streaming exact top-k.
+
+Score of key s for query t (HF `GlmMoeDsaIndexer`):
+    I[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s] * index_head_dim**-0.5),  w = weights_proj(x) * H**-0.5
+over causal keys (pos[s] <= pos[t]); each query keeps the top `index_topk` keys.
+
+Scalable path: queries are processed in blocks (`lax.map`), and for each block the keys stream
+through in blocks (`lax.scan`) while a running top-k is merged with each new block's scores. No
+`[S, T]` array exists; live memory is `O(query_block * (topk + key_block))`.
+
+Axis letters: B batch, S queries, T keys, H indexer heads, I indexer head dim, K top-k, D model dim,
+Q q_lora rank, R rotary dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from glm52_jax import positions as rope_lib
+from glm52_jax.config import ModelConfig
+from glm52_jax.model.layers import LayerNorm, param, project
+from glm52_jax.parallel.rules import constrain
+
+INVALID = -1  # top-k slot with no causal key (rows with fewer than K predecessors)
+
+
+class Indexer(nnx.Module):
+    """Projections of one 'full' layer's indexer; `weights_proj` is kept in float32."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        self.n_heads = cfg.index_n_heads
+        self.head_dim = cfg.index_head_dim
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.wq_b = param(rngs, (cfg.q_lora_rank, self.n_heads, self.head_dim), ("q_lora", "index_heads", "index_dim"), dtype)
+        self.wk = param(rngs, (cfg.hidden_size, self.head_dim), ("embed", "index_dim"), dtype)
+        self.k_norm = LayerNorm(self.head_dim, 1e-6, "index_dim", dtype)
+        self.weights_proj = param(rngs, (cfg.hidden_size, self.n_heads), ("embed", "index_heads"), jnp.float32)
+
+    def project(self, x: jax.Array, q_resid: jax.Array, cos: jax.Array, sin: jax.Array):
+        """`x: [B,S,D], q_resid: [B,S,Q] -> q: [B,S,H,I], k: [B,S,I], w: [B,S,H]` (float32).
+
+        `w` already includes `H**-0.5`; `q . k` still needs `head_dim**-0.5` (see `topk`).
+        """
+        q = project(q_resid, self.wq_b, "bsq,qhi->bshi")
+        q_rot = rope_lib.apply_interleaved_rope(q[..., : self.rope_dim], cos[:, :, None, :], sin[:, :, None, :])
+        q = jnp.concatenate([q_rot, q[..., self.rope_dim:]], axis=-1)
+        k = self.k_norm(project(x, self.wk, "bsd,di->bsi"))
+        k_rot = rope_lib.apply_interleaved_rope(k[..., : self.rope_dim], cos, sin)
+        k = jnp.concatenate([k_rot, k[..., self.rope_dim:]], axis=-1)
+        w = jnp.einsum("bsd,dh->bsh", x.astype(jnp.float32), self.weights_proj[...],
+                       preferred_element_type=jnp.float32) * (self.n_heads ** -0.5)
+        q = constrain(q.astype(jnp.float32), ("batch", "seq", "index_heads", "index_dim"))
+        return q, k.astype(jnp.float32), w
+
+
+def _pad_to(x: jax.Array, axis: int, multiple: int, value) -> jax.Array:
+    pad = (-x.shape[axis]) % multiple
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def block_scores(q: jax.Array, w: jax.Array, k: jax.Array, scale: float) -> jax.Array:
+    """Index scores of a query block against a key block: `[B,s,H,I], [B,s,H], [B,t,I] -> [B,s,t]`."""
+    logits = jnp.einsum("bshi,bti->bsht", q, k, preferred_element_type=jnp.float32) * scale
+    return jnp.einsum("bsh,bsht->bst", w, jax.nn.relu(logits))
+
+
+def streaming_topk(q: jax.Array, w: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: jax.Array, topk: int, *,
+                   scale: float, query_block: int, key_block: int) -> jax.Array:
+    """Exact causal top-k of the index scores without materialising `[S, T]`.
+
+    q: [B,S,H,I], w: [B,S,H], k: [B,T,I], q_pos: [S], k_pos: [T] (key s is visible to query t
+    iff k_pos[s] <= q_pos[t]). Returns [B,S,K] int32 key indices, K = min(topk, T), ordered by
+    descending score; slots without a visible key hold INVALID.
+    """
+    batch, seq, _, _ = q.shape
+    num_keys = k.shape[1]
+    kk = min(topk, num_keys)
+    qb = min(query_block, seq)
+    kb = min(key_block, num_keys)
+    q = _pad_to(q, 1, qb, 0.0)
+    w = _pad_to(w, 1, qb, 0.0)
+    q_pos_p = _pad_to(q_pos, 0, qb, -1)  # padded queries see no key
+    k = _pad_to(k, 1, kb, 0.0)
+    k_pos_p = _pad_to(k_pos, 0, kb, jnp.iinfo(jnp.int32).max)  # padded keys are never visible
+    nq, nk = q.shape[1] // qb, k.shape[1] // kb
+    k_blocks = k.reshape(batch, nk, kb, -1).swapaxes(0, 1)  # [nk, B, kb, I]
+    kpos_blocks = k_pos_p.reshape(nk, kb)
+    kidx_blocks = jnp.arange(nk * kb, dtype=jnp.int32).reshape(nk, kb)
+
+    def one_query_block(args):
+        q_blk, w_blk, qpos_blk = args  # [B,qb,H,I], [B,qb,H], [qb]
+
+        def merge(carry, key_args):
+            best_val, best_idx = carry  # [B,qb,K]
+            k_blk, kpos_blk, kidx_blk = key_args
+            scores = block_scores(q_blk, w_blk, k_blk, scale)
+            visible = kpos_blk[None, None, :] <= qpos_blk[None, :, None]
+            scores = jnp.where(visible, scores, -jnp.inf)
+            # Running entries come first and hold smaller key indices, so ties keep the lowest index.
+            vals = jnp.concatenate([best_val, scores], axis=-1)
+            idxs = jnp.concatenate([best_idx, jnp.broadcast_to(kidx_blk, scores.shape)], axis=-1)
+            new_val, pos = jax.lax.top_k(vals, kk)
+            return (new_val, jnp.take_along_axis(idxs, pos, axis=-1)), None
+
+        init = (jnp.full((batch, qb, kk), -jnp.inf, jnp.float32), jnp.full((batch, qb, kk), INVALID, jnp.int32))
+        (best_val, best_idx), _ = jax.lax.scan(merge, init, (k_blocks, kpos_blocks, kidx_blocks))
+        return jnp.where(jnp.isneginf(best_val), INVALID, best_idx)
+
+    q_blocks = q.reshape(batch, nq, qb, *q.shape[2:]).swapaxes(0, 1)
+    w_blocks = w.reshape(batch, nq, qb, -1).swapaxes(0, 1)
+    out = jax.lax.map(one_query_block, (q_blocks, w_blocks, q_pos_p.reshape(nq, qb)))  # [nq,B,qb,K]
+    out = out.swapaxes(0, 1).reshape(batch, nq * qb, kk)[:, :seq]
+    return jax.lax.stop_gradient(out)

@@ -1,0 +1,73 @@
+"""Multi-head latent attention with DSA (HF `GlmMoeDsaAttention`), run in absorbed form.
+
+Projections follow HF exactly: q = q_b(rmsnorm(q_a(x))) split per head into [nope | rope];
+[c_kv | k_rope] = kv_a(x) with c_kv RMS-normalised; kv_b maps c_kv to per-head [k_nope | v].
+kv_b is stored split as W_UK: [C, H, nope] and W_UV: [C, H, v], which is what the absorbed path
+uses: q_lat = q_nope W_UK^T (C wide), attend over [c_kv ; k_rope], out = latent W_UV, then o_proj.
+
+Axis letters: B batch, S sequence, D model, Q q_lora, C kv_lora, H heads, N qk_nope, R rope, V v_head.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from glm52_jax import positions as rope_lib
+from glm52_jax.config import ModelConfig
+from glm52_jax.model.indexer import Indexer, streaming_topk
+from glm52_jax.model.layers import RMSNorm, param, project
+from glm52_jax.model.options import ModelOptions
+from glm52_jax.model.sparse_attention import sparse_mla
+from glm52_jax.parallel.rules import constrain
+
+
+class Attention(nnx.Module):
+    """One layer's MLA + (for 'full' layers) its indexer."""
+
+    def __init__(self, cfg: ModelConfig, has_indexer: bool, opts: ModelOptions, rngs: nnx.Rngs):
+        dt = opts.param_dtype
+        h, n, r, v, c = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                         cfg.kv_lora_rank)
+        self.cfg = cfg
+        self.opts = opts
+        self.q_a_proj = param(rngs, (cfg.hidden_size, cfg.q_lora_rank), ("embed", "q_lora"), dt)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6, "q_lora", dt)
+        self.q_b_proj = param(rngs, (cfg.q_lora_rank, h, n + r), ("q_lora", "heads", "qk_dim"), dt)
+        self.kv_a_proj_with_mqa = param(rngs, (cfg.hidden_size, c + r), ("embed", "kv_lora"), dt)
+        self.kv_a_layernorm = RMSNorm(c, 1e-6, "kv_lora", dt)
+        self.w_uk = param(rngs, (c, h, n), ("kv_lora", "heads", "qk_dim"), dt)
+        self.w_uv = param(rngs, (c, h, v), ("kv_lora", "heads", "v_dim"), dt)
+        self.o_proj = param(rngs, (h, v, cfg.hidden_size), ("heads", "v_dim", "embed"), dt)
+        self.indexer = Indexer(cfg, dt, rngs) if has_indexer else None
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
+                 prev_topk: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        """`x: [B,S,D]` (normed), `cos/sin: [B,S,R/2]`, `positions: [S]` -> (`[B,S,D]`, top-k `[B,S,K]`)."""
+        cfg, nope = self.cfg, self.cfg.qk_nope_head_dim
+        q_resid = self.q_a_layernorm(project(x, self.q_a_proj, "bsd,dq->bsq"))
+        q = project(q_resid, self.q_b_proj, "bsq,qhe->bshe")
+        q_nope, q_rope = q[..., :nope], q[..., nope:]
+        q_rope = rope_lib.apply_interleaved_rope(q_rope, cos[:, :, None, :], sin[:, :, None, :])
+        kv = project(x, self.kv_a_proj_with_mqa, "bsd,dc->bsc")
+        c_kv = self.kv_a_layernorm(kv[..., : cfg.kv_lora_rank])
+        k_rope = rope_lib.apply_interleaved_rope(kv[..., cfg.kv_lora_rank:], cos, sin)
+
+        if self.indexer is not None:
+            iq, ik, iw = self.indexer.project(x, q_resid, cos, sin)
+            topk = streaming_topk(iq, iw, ik, positions, positions, cfg.index_topk,
+                                  scale=cfg.index_head_dim ** -0.5, query_block=self.opts.indexer_query_block,
+                                  key_block=self.opts.indexer_key_block)
+        else:
+            if prev_topk is None:
+                raise ValueError("a 'shared' indexer layer needs the previous full layer's top-k")
+            topk = prev_topk
+
+        q_lat = project(q_nope, self.w_uk, "bshn,chn->bshc")
+        q_lat = constrain(q_lat, ("batch", "seq", "heads", "kv_lora"))
+        out_lat = sparse_mla(q_lat, q_rope, c_kv, k_rope, topk, scale=cfg.softmax_scale,
+                             query_block=self.opts.attention_query_block)
+        out = project(out_lat, self.w_uv, "bshc,chv->bshv")
+        y = project(out, self.o_proj, "bshv,hvd->bsd")
+        return constrain(y, ("batch", "seq", "embed")), topk

@@ -1,0 +1,29 @@
+"""Run-time choices that are not part of the checkpoint's architecture."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    """How to build and run a model: parameter dtype, block sizes, rematerialisation.
+
+    `param_dtype` is also the activation dtype; the router, its correction bias and the indexer's
+    `weights_proj` stay float32 whatever it is. Use float32 for parity checks.
+    """
+
+    param_dtype: object = jnp.bfloat16
+    indexer_query_block: int = 128
+    indexer_key_block: int = 512
+    attention_query_block: int = 64
+    remat: bool = True
+
+    def __post_init__(self):
+        for name in ("indexer_query_block", "indexer_key_block", "attention_query_block"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelOptions.{name}: expected a positive integer, got {value!r}")
+        object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))

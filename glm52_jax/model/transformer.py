@@ -1,0 +1,204 @@
+"""The GLM-MoE-DSA causal LM (HF `GlmMoeDsaForCausalLM`) with layers scanned in stacks.
+
+Layers differ by MLP kind (dense / MoE) and indexer kind (full / shared), so they cannot all share
+one scan. `plan_segments` splits the layer list into segments of a repeating unit (GLM-5.2: 3 dense
+full layers, then 18 x [shared, shared, shared, full], then 3 shared) and each segment's unit is
+stacked with `nnx.vmap` and run with one `lax.scan`. The previous full layer's top-k travels in the
+scan carry, which is exactly IndexShare's data flow.
+
+Axis letters: B batch, S sequence, D model, V vocab, K indexer top-k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from glm52_jax import positions as rope_lib
+from glm52_jax.config import ModelConfig
+from glm52_jax.model.layers import RMSNorm, param
+from glm52_jax.model.mla import Attention
+from glm52_jax.model.moe import MLP, MoE
+from glm52_jax.model.options import ModelOptions
+from glm52_jax.parallel.rules import constrain
+
+LayerKind = tuple[str, str]  # (mlp type, indexer type)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Layers `start .. start + len(unit) * repeats - 1`, made of `unit` repeated."""
+
+    start: int
+    unit: tuple[LayerKind, ...]
+    repeats: int
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(range(self.start, self.start + len(self.unit) * self.repeats))
+
+
+def layer_kinds(cfg: ModelConfig) -> list[LayerKind]:
+    return list(zip(cfg.mlp_layer_types, cfg.indexer_types))
+
+
+def plan_segments(kinds: Sequence[LayerKind], max_period: int = 8) -> list[Segment]:
+    """Greedy cover by repeated units: at each point take the period covering the most layers."""
+    kinds = list(kinds)
+    out, i = [], 0
+    while i < len(kinds):
+        best_period, best_repeats = 1, 1
+        for period in range(1, max_period + 1):
+            unit = kinds[i:i + period]
+            if len(unit) < period:
+                break
+            repeats = 1
+            while kinds[i + repeats * period: i + (repeats + 1) * period] == unit:
+                repeats += 1
+            if repeats >= 2 and repeats * period > best_period * best_repeats:
+                best_period, best_repeats = period, repeats
+        out.append(Segment(i, tuple(kinds[i:i + best_period]), best_repeats))
+        i += best_period * best_repeats
+    return out
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, kind: LayerKind, opts: ModelOptions, rngs: nnx.Rngs):
+        mlp_type, indexer_type = kind
+        dt = opts.param_dtype
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", dt)
+        self.self_attn = Attention(cfg, indexer_type == "full", opts, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", dt)
+        if mlp_type == "sparse":
+            self.mlp = MoE(cfg, opts, rngs)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dt, rngs)
+
+    def __call__(self, h, cos, sin, positions, prev_topk):
+        attn, topk = self.self_attn(self.input_layernorm(h), cos, sin, positions, prev_topk)
+        h = h + attn
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return constrain(h, ("batch", "seq", "embed")), topk
+
+
+class Unit(nnx.Module):
+    """One period of a segment: consecutive layers of the given kinds."""
+
+    def __init__(self, cfg: ModelConfig, unit: tuple[LayerKind, ...], opts: ModelOptions, rngs: nnx.Rngs):
+        self.kinds = unit
+        self.layers = nnx.List([DecoderLayer(cfg, kind, opts, rngs) for kind in unit])
+
+    def __call__(self, h, cos, sin, positions, topk):
+        produced = []
+        for kind, layer in zip(self.kinds, self.layers):
+            h, topk = layer(h, cos, sin, positions, topk)
+            if kind[1] == "full":
+                produced.append(topk)
+        return h, topk, tuple(produced)
+
+
+def _stacked_unit(cfg: ModelConfig, seg: Segment, opts: ModelOptions, rngs: nnx.Rngs) -> Unit:
+    """`seg.repeats` copies of the segment's unit with params stacked on a leading 'layers' axis."""
+
+    @nnx.split_rngs(splits=seg.repeats)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(r):
+        return Unit(cfg, seg.unit, opts, r)
+
+    return make(rngs)
+
+
+class GlmMoeDsa(nnx.Module):
+    """GLM-MoE-DSA causal LM. `model(input_ids: [B,S] int32) -> logits [B,S,V] float32`."""
+
+    def __init__(self, cfg: ModelConfig, opts: ModelOptions | None = None, *, rngs: nnx.Rngs):
+        opts = opts or ModelOptions()
+        dt = opts.param_dtype
+        self.cfg = cfg
+        self.opts = opts
+        self.segments_plan = tuple(plan_segments(layer_kinds(cfg)))
+        self.embed_tokens = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dt,
+                                  std=cfg.initializer_range)
+        self.stacks = nnx.List([_stacked_unit(cfg, seg, opts, rngs) for seg in self.segments_plan])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", dt)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt,
+                                 std=cfg.initializer_range)
+
+    # -- forward --------------------------------------------------------------------------------
+    def hidden_states(self, input_ids: jax.Array, positions: jax.Array | None = None, *,
+                      return_topk: bool = False):
+        """Final-normed hidden states `[B,S,D]`; with `return_topk`, also `{layer: [B,S,K]}`.
+
+        `positions: [S]` int32 defaults to `arange(S)`; it drives RoPE and causality.
+        """
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
+        cfg = self.cfg
+        batch, seq = input_ids.shape
+        if positions is None:
+            positions = jnp.arange(seq, dtype=jnp.int32)
+        table = rope_lib.rotary_table(cfg.rope, cfg.qk_rope_head_dim)
+        cos, sin = rope_lib.rope_cos_sin(positions, table)
+        cos, sin = cos[None], sin[None]  # [1,S,R/2]
+        h = jnp.take(self.embed_tokens[...], input_ids, axis=0)
+        h = constrain(h, ("batch", "seq", "embed"))
+        topk = jnp.zeros((batch, seq, min(cfg.index_topk, seq)), jnp.int32)
+        produced: dict[int, jax.Array] = {}
+        for seg, stack in zip(self.segments_plan, self.stacks):
+            graphdef, state = nnx.split(stack)
+
+            def body(carry, unit_state, graphdef=graphdef):
+                h, topk = carry
+                unit = nnx.merge(graphdef, unit_state)
+                h, topk, made = unit(h, cos, sin, positions, topk)
+                return (h, topk), made
+
+            if self.opts.remat:
+                body = jax.checkpoint(body, prevent_cse=False)
+            (h, topk), made = jax.lax.scan(body, (h, topk), state)
+            if return_topk:
+                full_ids = [j for j, kind in enumerate(seg.unit) if kind[1] == "full"]
+                for slot, j in enumerate(full_ids):
+                    for rep in range(seg.repeats):
+                        produced[seg.start + rep * len(seg.unit) + j] = made[slot][rep]
+        h = self.norm(h)
+        return (h, produced) if return_topk else h
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """`h: [..., D] -> [..., V]` float32."""
+        if self.cfg.tie_word_embeddings:
+            w, spec = self.embed_tokens[...], "...d,vd->...v"
+        else:
+            w, spec = self.lm_head[...], "...d,dv->...v"
+        return jnp.einsum(spec, h.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+    def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        return self.logits(self.hidden_states(input_ids, positions))
+
+
+def token_logprobs(model: GlmMoeDsa, input_ids: jax.Array, *, chunk: int = 1024) -> jax.Array:
+    """Log-prob of each next token: `input_ids: [B,S] -> [B,S-1]` float32.
+
+    Logits are formed `chunk` positions at a time, so `[B,S,V]` never exists at once.
+    """
+    h = model.hidden_states(input_ids)[:, :-1]
+    targets = input_ids[:, 1:]
+    batch, n, d = h.shape
+    c = max(1, min(chunk, n))
+    pad = (-n) % c
+    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    nc = h.shape[1] // c
+
+    def one(args):
+        hc, tc = args  # [B,c,D], [B,c]
+        logp = jax.nn.log_softmax(model.logits(hc), axis=-1)
+        return jnp.take_along_axis(logp, tc[..., None], axis=-1)[..., 0]
+
+    out = jax.lax.map(one, (h.reshape(batch, nc, c, d).swapaxes(0, 1), targets.reshape(batch, nc, c).swapaxes(0, 1)))
+    return out.swapaxes(0, 1).reshape(batch, nc * c)[:, :n]

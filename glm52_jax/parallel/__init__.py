@@ -1,0 +1,1 @@
+"""Sharding: logical axis rules, meshes, and (later) context- and expert-parallel execution."""
