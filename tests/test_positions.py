@@ -153,6 +153,9 @@ YARN_CASES = {
     "2m_payload": (2097168, SEED_PAYLOAD["rope_parameters"]),
     "dsv3_truncate": (DSV3_MAX, {**DSV3_YARN, "truncate": True}),
     "dsv3_no_truncate": (DSV3_MAX, {**DSV3_YARN, "truncate": False}),
+    # Both correction dims clamp to 0: exercises HF's `low == high` singularity guard.
+    "degenerate_ramp": (16, {"rope_type": "yarn", "rope_theta": 8e6, "factor": 4.0,
+                             "original_max_position_embeddings": 4, "beta_fast": 32.0, "beta_slow": 1.0}),
 }
 
 

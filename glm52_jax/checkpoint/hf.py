@@ -276,7 +276,7 @@ def _per_layer_reader(cfg: ModelConfig, ckpt: _Checkpoint, fused: bool, kind, re
                     a = ckpt.get(p + "down_proj")[experts]
                 else:
                     a = ckpt.get(p + "gate_up_proj")[experts]
-                    a = a[:, :i_moe] if proj == "gate_proj" else a[:, i_moe:]
+                    a = a[:, :i_moe] if proj == "up_proj" else a[:, i_moe:]
                 return _t(a)
             return np.stack([_t(ckpt.get(f"{p}{x}.{proj}.weight")) for x in ids])
         return read_experts, True
@@ -310,7 +310,7 @@ def load_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, shardings=None,
     flat = nnx.to_flat_state(state)
     leaves = []
     for key, var in flat:
-        shape, target = tuple(var.value.shape), var.value.dtype
+        shape, target = tuple(var.get_value().shape), var.get_value().dtype
         if key in globals_:
             name, fn = globals_[key]
             def read(index, name=name, fn=fn):
@@ -352,7 +352,7 @@ def _hf_tensors(model: GlmMoeDsa) -> list[tuple[str, LazyTensor]]:
     """Every HF tensor of `model` as a lazily computed host array, in a stable order."""
     cfg = model.cfg
     _, state = nnx.split(model)
-    values = {k: v.value for k, v in nnx.to_flat_state(state)}
+    values = {k: v.get_value() for k, v in nnx.to_flat_state(state)}
     out: list[tuple[str, LazyTensor]] = []
 
     def add(name, shape, dtype, fn):

@@ -22,7 +22,7 @@ def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: Axes, dtype, *, i
         value = jnp.zeros(shape, dtype)
     else:
         raise ValueError(f"param: unknown init {init!r}")
-    return nnx.Param(value, sharding_names=axes, eager_sharding=False)
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):

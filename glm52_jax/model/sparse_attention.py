@@ -17,6 +17,9 @@ import jax
 import jax.numpy as jnp
 
 
+_MASKED = -1e30
+
+
 def _gather_rows(rows: jax.Array, idx: jax.Array) -> jax.Array:
     """`rows: [B,T,X], idx: [B,s,K] -> [B,s,K,X]`."""
     return jax.vmap(lambda r, i: r[i])(rows, idx)
@@ -50,7 +53,9 @@ def sparse_mla(q_lat: jax.Array, q_rope: jax.Array, c_kv: jax.Array, k_rope: jax
         kr = _gather_rows(k_rope, safe)  # [B,qb,K,R]
         logits = jnp.einsum("bshc,bskc->bshk", ql, kv, preferred_element_type=jnp.float32)
         logits = logits + jnp.einsum("bshr,bskr->bshk", qr, kr, preferred_element_type=jnp.float32)
-        logits = jnp.where(valid[:, :, None, :], logits * scale, -jnp.inf)
+        # A finite mask value keeps fully padded query rows NaN-free (their output is discarded, but a
+        # NaN there would still poison the gradient of the gathered rows).
+        logits = jnp.where(valid[:, :, None, :], logits * scale, _MASKED)
         probs = jax.nn.softmax(logits, axis=-1).astype(kv.dtype)
         return jnp.einsum("bshk,bskc->bshc", probs, kv, preferred_element_type=jnp.float32).astype(ql.dtype)
 
