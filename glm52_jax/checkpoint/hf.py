@@ -276,7 +276,7 @@ def _per_layer_reader(cfg: ModelConfig, ckpt: _Checkpoint, fused: bool, kind, re
                     a = ckpt.get(p + "down_proj")[experts]
                 else:
                     a = ckpt.get(p + "gate_up_proj")[experts]
-                    a = a[:, :i_moe] if proj == "up_proj" else a[:, i_moe:]
+                    a = a[:, :i_moe] if proj == "gate_proj" else a[:, i_moe:]
                 return _t(a)
             return np.stack([_t(ckpt.get(f"{p}{x}.{proj}.weight")) for x in ids])
         return read_experts, True
@@ -438,12 +438,12 @@ def save_pretrained(model: GlmMoeDsa, path: str | os.PathLike, *, max_shard_byte
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
             names.append(INDEX_FILE)
         os.makedirs(path, exist_ok=True)
-        # Remove the other layout's files so the directory holds exactly one checkpoint.
+        for f in names + ["config.json"]:
+            os.replace(os.path.join(tmp, f), os.path.join(path, f))
+        # Then drop the previous layout's leftovers so the directory holds exactly one checkpoint.
         stale = [SINGLE_FILE, INDEX_FILE] + [f for f in os.listdir(path) if re.fullmatch(r"model-\d+-of-\d+\.safetensors", f)]
         for f in stale:
             if f not in names and os.path.exists(os.path.join(path, f)):
                 os.remove(os.path.join(path, f))
-        for f in names + ["config.json"]:
-            os.replace(os.path.join(tmp, f), os.path.join(path, f))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

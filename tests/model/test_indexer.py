@@ -7,6 +7,7 @@ import pytest
 
 from glm52_jax.model.indexer import INVALID, streaming_topk
 from dense_oracle import dense_topk
+from jaxpr_utils import largest_intermediate
 
 
 def _inputs(seed, b=2, s=37, t=37, h=4, i=16):
@@ -67,23 +68,5 @@ def test_no_score_matrix_in_default_path():
     k = jax.ShapeDtypeStruct((1, s, 8), jnp.float32)
     pos = jax.ShapeDtypeStruct((s,), jnp.int32)
     fn = lambda q, w, k, p: streaming_topk(q, w, k, p, p, 64, scale=1.0, query_block=128, key_block=256)
-    jaxpr = jax.make_jaxpr(fn)(q, w, k, pos)
-    sizes = [int(np.prod(v.aval.shape)) for eqn in _all_eqns(jaxpr.jaxpr) for v in eqn.outvars
-             if hasattr(v.aval, "shape")]
-    assert max(sizes) < s * s // 16, max(sizes)
-
-
-def _all_eqns(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else _subjaxprs(eqn):
-            yield from _all_eqns(sub)
-
-
-def _subjaxprs(eqn):
-    for param in eqn.params.values():
-        for p in (param if isinstance(param, (list, tuple)) else [param]):
-            if hasattr(p, "jaxpr") and hasattr(p.jaxpr, "eqns"):
-                yield p.jaxpr
-            elif hasattr(p, "eqns"):
-                yield p
+    biggest = largest_intermediate(jax.make_jaxpr(fn)(q, w, k, pos))
+    assert biggest < s * s // 16, biggest
