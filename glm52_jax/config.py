@@ -303,7 +303,8 @@ def tiny(**overrides) -> ModelConfig:
         indexer_types=derive_indexer_types(6, freq=2, offset=2),
         max_position_embeddings=65536,
         rope=positions.RopeParameters(rope_type="default", rope_theta=10000.0),
-        eos_token_id=(1,), bos_token_id=0, pad_token_id=None,
+        # Ids of the shipped tiny tokenizer: [gMASK]=0, <|endoftext|>=1, <|user|>=4, <|pad|>=6.
+        eos_token_id=(1, 4), bos_token_id=0, pad_token_id=6,
     )
     base.update(overrides)
     return ModelConfig(**base)

@@ -43,8 +43,14 @@ class Attention(nnx.Module):
         self.indexer = Indexer(cfg, dt, rngs) if has_indexer else None
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
-                 prev_topk: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-        """`x: [B,S,D]` (normed), `cos/sin: [B,S,R/2]`, `positions: [S]` -> (`[B,S,D]`, top-k `[B,S,K]`)."""
+                 prev_topk: jax.Array | None, layer_cache=None, start=None):
+        """One layer's attention over this chunk's tokens and (with a cache) all earlier ones.
+
+        x: [B,S,D] (normed); cos/sin: [.,S,R/2]; positions: [S] int32 of the chunk's tokens.
+        layer_cache: None (the chunk is the whole sequence) or (c_kv [B,Cap,C], k_rope [B,Cap,R],
+        index_k [B,Cap,I] or None), into which the chunk is written at slot `start` first.
+        Returns (y [B,S,D], top-k [B,S,K] in key-slot space, updated layer cache or None).
+        """
         cfg, nope = self.cfg, self.cfg.qk_nope_head_dim
         q_resid = self.q_a_layernorm(project(x, self.q_a_proj, "bsd,dq->bsq"))
         q = project(q_resid, self.q_b_proj, "bsq,qhe->bshe")
@@ -53,10 +59,26 @@ class Attention(nnx.Module):
         kv = project(x, self.kv_a_proj_with_mqa, "bsd,dc->bsc")
         c_kv = self.kv_a_layernorm(kv[..., : cfg.kv_lora_rank])
         k_rope = rope_lib.apply_interleaved_rope(kv[..., cfg.kv_lora_rank:], cos, sin)
-
         if self.indexer is not None:
             iq, ik, iw = self.indexer.project(x, q_resid, cos, sin)
-            topk = streaming_topk(iq, iw, ik, positions, positions, cfg.index_topk,
+
+        if layer_cache is None:
+            keys_c, keys_r, k_pos, new_cache = c_kv, k_rope, positions, None
+            keys_i = ik if self.indexer is not None else None
+        else:
+            cache_c, cache_r, cache_i = layer_cache
+            keys_c = jax.lax.dynamic_update_slice_in_dim(cache_c, c_kv.astype(cache_c.dtype), start, axis=1)
+            keys_r = jax.lax.dynamic_update_slice_in_dim(cache_r, k_rope.astype(cache_r.dtype), start, axis=1)
+            keys_i = None
+            if self.indexer is not None:
+                keys_i = jax.lax.dynamic_update_slice_in_dim(cache_i, ik.astype(cache_i.dtype), start, axis=1)
+            keys_c = constrain(keys_c, ("batch", "seq", "kv_lora"))
+            keys_r = constrain(keys_r, ("batch", "seq", None))
+            k_pos = jnp.arange(keys_c.shape[1], dtype=jnp.int32)
+            new_cache = (keys_c, keys_r, keys_i)
+
+        if self.indexer is not None:
+            topk = streaming_topk(iq, iw, keys_i.astype(jnp.float32), positions, k_pos, cfg.index_topk,
                                   scale=cfg.index_head_dim ** -0.5, query_block=self.opts.indexer_query_block,
                                   key_block=self.opts.indexer_key_block)
         else:
@@ -66,8 +88,8 @@ class Attention(nnx.Module):
 
         q_lat = project(q_nope, self.w_uk, "bshn,chn->bshc")
         q_lat = constrain(q_lat, ("batch", "seq", "heads", "kv_lora"))
-        out_lat = sparse_mla(q_lat, q_rope, c_kv, k_rope, topk, scale=cfg.softmax_scale,
-                             query_block=self.opts.attention_query_block)
+        out_lat = sparse_mla(q_lat, q_rope, keys_c.astype(q_lat.dtype), keys_r.astype(q_rope.dtype), topk,
+                             scale=cfg.softmax_scale, query_block=self.opts.attention_query_block)
         out = project(out_lat, self.w_uv, "bshc,chv->bshv")
         y = project(out, self.o_proj, "bshv,hvd->bsd")
-        return constrain(y, ("batch", "seq", "embed")), topk
+        return constrain(y, ("batch", "seq", "embed")), topk, new_cache

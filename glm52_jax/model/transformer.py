@@ -23,6 +23,7 @@ from glm52_jax.config import ModelConfig
 from glm52_jax.model.layers import RMSNorm, param
 from glm52_jax.model.mla import Attention
 from glm52_jax.model.moe import MLP, MoE
+from glm52_jax.model.kv_cache import KVCache, init_cache
 from glm52_jax.model.options import ModelOptions
 from glm52_jax.parallel.rules import constrain
 
@@ -78,11 +79,12 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dt, rngs)
 
-    def __call__(self, h, cos, sin, positions, prev_topk):
-        attn, topk = self.self_attn(self.input_layernorm(h), cos, sin, positions, prev_topk)
+    def __call__(self, h, cos, sin, positions, prev_topk, layer_cache=None, start=None):
+        attn, topk, layer_cache = self.self_attn(self.input_layernorm(h), cos, sin, positions, prev_topk,
+                                                 layer_cache, start)
         h = h + attn
         h = h + self.mlp(self.post_attention_layernorm(h))
-        return constrain(h, ("batch", "seq", "embed")), topk
+        return constrain(h, ("batch", "seq", "embed")), topk, layer_cache
 
 
 class Unit(nnx.Module):
@@ -92,13 +94,28 @@ class Unit(nnx.Module):
         self.kinds = unit
         self.layers = nnx.List([DecoderLayer(cfg, kind, opts, rngs) for kind in unit])
 
-    def __call__(self, h, cos, sin, positions, topk):
-        produced = []
-        for kind, layer in zip(self.kinds, self.layers):
-            h, topk = layer(h, cos, sin, positions, topk)
+    def __call__(self, h, cos, sin, positions, topk, unit_cache=None, start=None):
+        """unit_cache: None or (c_kv [U,B,Cap,C], k_rope [U,B,Cap,R], index_k [F,B,Cap,I])."""
+        produced, new_c, new_r, new_i = [], [], [], []
+        full_slot = 0
+        for slot, (kind, layer) in enumerate(zip(self.kinds, self.layers)):
+            layer_cache = None
+            if unit_cache is not None:
+                index_k = unit_cache[2][full_slot] if kind[1] == "full" else None
+                layer_cache = (unit_cache[0][slot], unit_cache[1][slot], index_k)
+            h, topk, layer_cache = layer(h, cos, sin, positions, topk, layer_cache, start)
             if kind[1] == "full":
                 produced.append(topk)
-        return h, topk, tuple(produced)
+                full_slot += 1
+            if layer_cache is not None:
+                new_c.append(layer_cache[0])
+                new_r.append(layer_cache[1])
+                if kind[1] == "full":
+                    new_i.append(layer_cache[2])
+        if unit_cache is None:
+            return h, topk, tuple(produced), None
+        stacked_i = jnp.stack(new_i) if new_i else unit_cache[2]
+        return h, topk, tuple(produced), (jnp.stack(new_c), jnp.stack(new_r), stacked_i)
 
 
 def _stacked_unit(cfg: ModelConfig, seg: Segment, opts: ModelOptions, rngs: nnx.Rngs) -> Unit:
@@ -136,38 +153,73 @@ class GlmMoeDsa(nnx.Module):
 
         `positions: [S]` int32 defaults to `arange(S)`; it drives RoPE and causality.
         """
+        if positions is None:
+            positions = jnp.arange(input_ids.shape[-1], dtype=jnp.int32)
+        h, produced, _ = self._run(input_ids, positions, None)
+        return (h, produced) if return_topk else h
+
+    def forward_cached(self, input_ids: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Runs a chunk after the cached tokens: `input_ids: [B,S]` at positions `length .. length+S-1`.
+
+        Writes the chunk into the cache and returns (hidden states [B,S,D], the updated cache).
+        The caller keeps `length + S <= capacity` (checked eagerly when `length` is concrete).
+        """
+        seq = input_ids.shape[-1]
+        if not isinstance(cache.length, jax.core.Tracer) and int(cache.length) + seq > cache.capacity:
+            raise ValueError(f"cache overflow: {int(cache.length)} cached + {seq} new tokens > capacity "
+                             f"{cache.capacity}")
+        positions = cache.length + jnp.arange(seq, dtype=jnp.int32)
+        h, _, cache = self._run(input_ids, positions, cache)
+        return h, cache
+
+    def _run(self, input_ids, positions, cache):
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
         cfg = self.cfg
         batch, seq = input_ids.shape
-        if positions is None:
-            positions = jnp.arange(seq, dtype=jnp.int32)
         table = rope_lib.rotary_table(cfg.rope, cfg.qk_rope_head_dim)
         cos, sin = rope_lib.rope_cos_sin(positions, table)
         cos, sin = cos[None], sin[None]  # [1,S,R/2]
         h = jnp.take(self.embed_tokens[...], input_ids, axis=0)
         h = constrain(h, ("batch", "seq", "embed"))
-        topk = jnp.zeros((batch, seq, min(cfg.index_topk, seq)), jnp.int32)
+        num_keys = seq if cache is None else cache.capacity
+        topk = jnp.zeros((batch, seq, min(cfg.index_topk, num_keys)), jnp.int32)
+        start = None if cache is None else cache.length
         produced: dict[int, jax.Array] = {}
-        for seg, stack in zip(self.segments_plan, self.stacks):
+        new_c, new_r, new_i = [], [], []
+        for s, (seg, stack) in enumerate(zip(self.segments_plan, self.stacks)):
             graphdef, state = nnx.split(stack)
 
-            def body(carry, unit_state, graphdef=graphdef):
+            def body(carry, xs, graphdef=graphdef):
                 h, topk = carry
+                unit_state, unit_cache = xs
                 unit = nnx.merge(graphdef, unit_state)
-                h, topk, made = unit(h, cos, sin, positions, topk)
-                return (h, topk), made
+                h, topk, made, unit_cache = unit(h, cos, sin, positions, topk, unit_cache, start)
+                return (h, topk), (made, unit_cache)
 
             if self.opts.remat:
                 body = jax.checkpoint(body, prevent_cse=False)
-            (h, topk), made = jax.lax.scan(body, (h, topk), state)
-            if return_topk:
-                full_ids = [j for j, kind in enumerate(seg.unit) if kind[1] == "full"]
-                for slot, j in enumerate(full_ids):
-                    for rep in range(seg.repeats):
-                        produced[seg.start + rep * len(seg.unit) + j] = made[slot][rep]
+            seg_cache = None if cache is None else (cache.c_kv[s], cache.k_rope[s], cache.index_k[s])
+            (h, topk), (made, seg_cache) = jax.lax.scan(body, (h, topk), (state, seg_cache))
+            if seg_cache is not None:
+                new_c.append(seg_cache[0])
+                new_r.append(seg_cache[1])
+                new_i.append(seg_cache[2])
+            full_ids = [j for j, kind in enumerate(seg.unit) if kind[1] == "full"]
+            for slot, j in enumerate(full_ids):
+                for rep in range(seg.repeats):
+                    produced[seg.start + rep * len(seg.unit) + j] = made[slot][rep]
         h = self.norm(h)
-        return (h, produced) if return_topk else h
+        if cache is not None:
+            cache = KVCache(tuple(new_c), tuple(new_r), tuple(new_i), cache.length + seq)
+        return h, produced, cache
+
+    def init_cache(self, batch: int, capacity: int, dtype=None) -> KVCache:
+        """An empty decode cache (dtype defaults to the parameter dtype)."""
+        if capacity > self.cfg.max_position_embeddings:
+            raise ValueError(f"cache capacity {capacity} exceeds max_position_embeddings "
+                             f"{self.cfg.max_position_embeddings}")
+        return init_cache(self.cfg, self.segments_plan, batch, capacity, dtype or self.opts.param_dtype)
 
     def logits(self, h: jax.Array) -> jax.Array:
         """`h: [..., D] -> [..., V]` float32."""

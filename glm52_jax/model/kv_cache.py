@@ -1,0 +1,71 @@
+"""Decode-time cache: what DSA needs of past tokens, per layer.
+
+Per layer the MLA latent (RMS-normed `c_kv`, C wide) and the post-RoPE `k_rope` (R wide); for
+'full' indexer layers also the indexer key (post-LayerNorm, post-RoPE, I wide). Nothing per head
+is cached: absorbed MLA attends to the latent directly. Arrays are grouped like the model's
+layer segments so a segment's scan slices its cache with the same leading axes:
+
+    c_kv[s]:    [repeats, unit_len, B, Cap, C]
+    k_rope[s]:  [repeats, unit_len, B, Cap, R]
+    index_k[s]: [repeats, full_slots_in_unit, B, Cap, I]   (size 0 on that axis if none)
+
+Slots `>= length` are unused; their position is their slot index, which causality already hides
+from every query at a smaller position, so no extra mask is needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from glm52_jax.config import ModelConfig
+
+CACHE_AXES = ("layers", None, "batch", "seq", None)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    c_kv: tuple[jax.Array, ...]
+    k_rope: tuple[jax.Array, ...]
+    index_k: tuple[jax.Array, ...]
+    length: jax.Array  # [] int32: tokens written so far
+
+    @property
+    def capacity(self) -> int:
+        return self.c_kv[0].shape[3]
+
+    @property
+    def batch(self) -> int:
+        return self.c_kv[0].shape[2]
+
+    def nbytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((self.c_kv, self.k_rope, self.index_k)))
+
+
+def init_cache(cfg: ModelConfig, segments, batch: int, capacity: int, dtype=jnp.bfloat16) -> KVCache:
+    """An empty cache for `batch` sequences of up to `capacity` tokens (`segments` from the model)."""
+    if capacity <= 0 or batch <= 0:
+        raise ValueError(f"cache batch and capacity must be positive, got batch={batch} capacity={capacity}")
+    c_kv, k_rope, index_k = [], [], []
+    for seg in segments:
+        n = len(seg.unit)
+        full = sum(1 for kind in seg.unit if kind[1] == "full")
+        c_kv.append(jnp.zeros((seg.repeats, n, batch, capacity, cfg.kv_lora_rank), dtype))
+        k_rope.append(jnp.zeros((seg.repeats, n, batch, capacity, cfg.qk_rope_head_dim), dtype))
+        index_k.append(jnp.zeros((seg.repeats, full, batch, capacity, cfg.index_head_dim), jnp.float32))
+    return KVCache(tuple(c_kv), tuple(k_rope), tuple(index_k), jnp.zeros((), jnp.int32))
+
+
+def broadcast_batch(cache: KVCache, batch: int) -> KVCache:
+    """Repeats a batch-1 cache (one shared prompt) to `batch` rows."""
+    if cache.batch != 1:
+        raise ValueError(f"broadcast_batch needs a batch-1 cache, got batch {cache.batch}")
+
+    def rep(a):
+        return jnp.repeat(a, batch, axis=2)
+
+    return KVCache(tuple(map(rep, cache.c_kv)), tuple(map(rep, cache.k_rope)), tuple(map(rep, cache.index_k)),
+                   cache.length)

@@ -1,0 +1,1 @@
+"""Rule-based rewards for RL rollouts (verifiable math answers)."""

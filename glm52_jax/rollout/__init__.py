@@ -1,0 +1,1 @@
+"""Rollout: tokenizer, chat formatting, sampling and the prefix cache."""
