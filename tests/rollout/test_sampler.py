@@ -1,0 +1,181 @@
+"""Sampler: teacher-forced consistency, greedy parity with HF generate, prefix reuse, seeds, errors."""
+
+import numpy as np
+import jax.numpy as jnp
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+import glm52_jax
+from glm52_jax import config
+from glm52_jax.checkpoint.inventory import param_inventory
+from glm52_jax.rollout.cache import PrefixCache
+from glm52_jax.rollout.sampler import FINISH_LENGTH, FINISH_STOP, PAD_TOKEN, Sampler, SamplingParams
+from hf_reference import random_hf_model, save_hf
+
+OPTS = glm52_jax.ModelOptions(param_dtype=jnp.float32, indexer_query_block=16, indexer_key_block=16,
+                              attention_query_block=8)
+CFG = config.tiny()  # index_topk 32, IndexShare layers
+
+
+@pytest.fixture(scope="module")
+def model():
+    return glm52_jax.GlmMoeDsa(CFG, OPTS, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def shared_sampler(model):
+    return Sampler(model, chunk_size=16, capacity_multiple=64)
+
+
+@pytest.fixture
+def sampler(shared_sampler):
+    """One sampler (so jitted functions compile once), with an empty prefix cache per test."""
+    shared_sampler.prefix_cache = PrefixCache(max_bytes=1 << 30)
+    shared_sampler.prefill_calls = 0
+    return shared_sampler
+
+
+def _prompt(n, seed=0):
+    return [int(t) for t in np.random.default_rng(seed).integers(0, CFG.vocab_size, n)]
+
+
+@pytest.mark.parametrize("prompt_len", [20, 45])
+def test_teacher_forced_logprobs_match_token_logprobs(model, sampler, prompt_len):
+    prompt = _prompt(prompt_len)
+    forced = np.random.default_rng(1).integers(0, CFG.vocab_size, (2, 7))
+    res = sampler.sample(prompt, SamplingParams(max_new_tokens=7, num_samples=2, temperature=1.0),
+                         forced_tokens=forced)
+    ids = jnp.asarray(np.concatenate([np.tile(prompt, (2, 1)), forced], 1), jnp.int32)
+    ref = np.asarray(glm52_jax.token_logprobs(model, ids))[:, prompt_len - 1:]
+    np.testing.assert_array_equal(res.tokens, forced)
+    np.testing.assert_allclose(res.logprobs, ref, atol=1e-5, rtol=0)
+
+
+def test_temperature_scales_old_logprobs(model, sampler):
+    prompt = _prompt(30)
+    forced = np.random.default_rng(2).integers(0, CFG.vocab_size, (1, 3))
+    base = sampler.sample(prompt, SamplingParams(max_new_tokens=3, temperature=1.0), forced_tokens=forced)
+    hot = sampler.sample(prompt, SamplingParams(max_new_tokens=3, temperature=0.5), forced_tokens=forced)
+    h = np.asarray(sampler._prefill_chunk(sampler.state, jnp.asarray(prompt, jnp.int32)[None],
+                                          model.init_cache(1, 64))[0][:, -1])
+    logits = np.asarray(model.logits(jnp.asarray(h)))[0] / 0.5
+    expect = logits[forced[0, 0]] - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+    assert abs(hot.logprobs[0, 0] - expect) < 1e-5
+    assert not np.allclose(hot.logprobs, base.logprobs)
+
+
+def test_greedy_matches_hf_generate(tmp_path):
+    hf_model = random_hf_model(CFG, seed=4)
+    ckpt = save_hf(hf_model, tmp_path / "hf")
+    prompt = _prompt(40, seed=5)  # longer than index_topk
+    # An explicit attention mask: HF would otherwise treat prompt tokens equal to pad_token_id as padding.
+    gen_cfg = transformers.GenerationConfig(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=6)
+    with torch.no_grad():
+        ref = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 40, dtype=torch.long),
+                                generation_config=gen_cfg)[0, 40:].numpy()
+    assert len(ref) == 16
+    ours = glm52_jax.load_pretrained(ckpt, dtype=jnp.float32, options=OPTS)
+    res = Sampler(ours, chunk_size=16, capacity_multiple=64).sample(
+        prompt, SamplingParams(max_new_tokens=16, temperature=0.0))
+    assert res.tokens[0].tolist() == ref.tolist()
+    assert res.finish_reasons == [FINISH_LENGTH]
+
+
+def test_prefix_reuse_is_bit_identical_to_cold(sampler):
+    shared = _prompt(48, seed=6)
+    first = shared + _prompt(5, seed=7)
+    second = shared + _prompt(5, seed=8)
+    params = SamplingParams(max_new_tokens=6, num_samples=3, seed=11)
+    cold = sampler.sample(second, params)
+    assert cold.prefix_hit_tokens == 0
+    sampler.prefix_cache.clear()
+    warm_sampler = sampler
+    warm_sampler.sample(first, params)
+    calls = warm_sampler.prefill_calls
+    warm = warm_sampler.sample(second, params)
+    assert warm.prefix_hit_tokens == 48  # three whole 16-token chunks of the shared prefix
+    assert warm_sampler.prefill_calls - calls == 1  # only the tail chunk was computed
+    np.testing.assert_array_equal(warm.tokens, cold.tokens)
+    np.testing.assert_array_equal(warm.logprobs, cold.logprobs)
+
+
+def test_prefix_cache_is_bounded(model, sampler):
+    one = model.init_cache(1, 64).nbytes()
+    sampler.prefix_cache = PrefixCache(max_bytes=2 * one)
+    for seed in range(4):
+        sampler.sample(_prompt(20, seed=100 + seed), SamplingParams(max_new_tokens=1, temperature=0.0))
+    assert len(sampler.prefix_cache) == 2 and sampler.prefix_cache.nbytes <= 2 * one
+    assert sampler.prefix_cache.evictions == 2
+
+
+def test_sampling_changes_no_parameter(model, sampler):
+    before = param_inventory(model)
+    sampler.sample(_prompt(33), SamplingParams(max_new_tokens=4, num_samples=2))
+    assert param_inventory(model) == before
+
+
+def test_seeds(sampler):
+    prompt = _prompt(25)
+    a = sampler.sample(prompt, SamplingParams(max_new_tokens=5, num_samples=4, seed=1))
+    b = sampler.sample(prompt, SamplingParams(max_new_tokens=5, num_samples=4, seed=1))
+    c = sampler.sample(prompt, SamplingParams(max_new_tokens=5, num_samples=4, seed=2))
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert not np.array_equal(a.tokens, c.tokens)
+    assert len({tuple(r) for r in a.tokens}) == 4  # samples within a request differ too
+
+
+def test_first_token_distribution_and_truncation(model, sampler):
+    """512 one-token samples follow softmax(logits / T) restricted to the top-p nucleus."""
+    prompt = _prompt(18)
+    temperature, top_p, n = 0.05, 0.9, 512
+    res = sampler.sample(prompt, SamplingParams(max_new_tokens=1, num_samples=n, temperature=temperature,
+                                                top_p=top_p, seed=3))
+    h = sampler._prefill_chunk(sampler.state, jnp.asarray(prompt, jnp.int32)[None], model.init_cache(1, 64))[0]
+    logits = np.asarray(model.logits(h[:, -1]))[0] / temperature
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs)
+    before = np.cumsum(probs[order]) - probs[order]
+    nucleus = order[before < top_p]
+    assert 2 <= len(nucleus) <= 64, len(nucleus)  # a real truncation of the 512-token vocabulary
+    assert set(res.tokens[:, 0].tolist()) <= set(nucleus.tolist())
+    expect = probs[nucleus] / probs[nucleus].sum()
+    counts = np.array([(res.tokens[:, 0] == t).sum() for t in nucleus])
+    # Each nucleus token's count within 5 binomial standard deviations of its expectation.
+    assert np.all(np.abs(counts - n * expect) <= 5 * np.sqrt(n * expect * (1 - expect)) + 1)
+    top1 = sampler.sample(prompt, SamplingParams(max_new_tokens=1, num_samples=16, top_k=1, seed=4))
+    assert set(top1.tokens[:, 0].tolist()) == {int(order[0])}
+
+
+def test_stop_tokens_end_samples(sampler):
+    prompt = _prompt(22)
+    greedy = sampler.sample(prompt, SamplingParams(max_new_tokens=6, temperature=0.0))
+    stop = int(greedy.tokens[0, 2])
+    first = greedy.tokens[0].tolist().index(stop)
+    res = sampler.sample(prompt, SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=(stop,)))
+    assert res.finish_reasons == [FINISH_STOP]
+    assert res.lengths[0] == first + 1
+    assert res.tokens[0, first + 1:].tolist() == [PAD_TOKEN] * (5 - first)
+    assert (res.logprobs[0, first + 1:] == 0).all()
+    np.testing.assert_array_equal(res.tokens[0, :first + 1], greedy.tokens[0, :first + 1])
+
+
+@pytest.mark.parametrize("prompt,params,match", [
+    ([], SamplingParams(), "prompt is empty"),
+    ([1, 2, 512], SamplingParams(), "outside the vocabulary"),
+    ([1, -3], SamplingParams(), "outside the vocabulary"),
+    ([1, 2], SamplingParams(top_p=0.0), "top_p must be in"),
+    ([1, 2], SamplingParams(top_p=1.5), "top_p must be in"),
+    ([1, 2], SamplingParams(temperature=-1.0), "temperature"),
+    ([1, 2], SamplingParams(max_new_tokens=0), "max_new_tokens"),
+    ([1, 2], SamplingParams(num_samples=0), "num_samples"),
+    ([1, 2], SamplingParams(top_k=-1), "top_k"),
+    ([1, 2], SamplingParams(stop_token_ids=(600,)), "stop_token_ids"),
+    ([1] * 65530, SamplingParams(max_new_tokens=10), "exceeds the position capacity"),
+])
+def test_bad_input_fails_before_compute(sampler, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        sampler.sample(prompt, params)
+    assert sampler.prefill_calls == 0
