@@ -1,0 +1,53 @@
+"""`python -m glm52_jax.generate` as a real subprocess on a saved random tiny model."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import glm52_jax
+from glm52_jax.rollout.tokenizer import default_tokenizer_path
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gen") / "tiny"
+    cfg = glm52_jax.tiny(num_hidden_layers=2, indexer_types=("full", "shared"))
+    glm52_jax.save_pretrained(glm52_jax.GlmMoeDsa(cfg, glm52_jax.ModelOptions(param_dtype=jnp.float32),
+                                                  rngs=nnx.Rngs(0)), path)
+    shutil.copy(default_tokenizer_path(), path / "tokenizer.json")
+    return path
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", "glm52_jax.generate", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_text_prompt_two_samples(ckpt):
+    res = _run(f"--checkpoint={ckpt}", "--prompt=What is 2 + 2?", "--chat", "--max_new_tokens=5",
+               "--num_samples=2", "--seed=3", "--stop_ids=")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(out["samples"]) == 2
+    for s in out["samples"]:
+        assert len(s["tokens"]) == 5 == len(s["logprobs"]) and s["finish_reason"] == "length"
+        assert isinstance(s["text"], str) and all(lp < 0 for lp in s["logprobs"])
+
+
+def test_prompt_ids_greedy_is_deterministic(ckpt):
+    args = (f"--checkpoint={ckpt}", "--prompt_ids=7,8,9,10", "--max_new_tokens=4", "--temperature=0")
+    a, b = _run(*args), _run(*args)
+    assert a.returncode == 0, a.stderr
+    assert json.loads(a.stdout.splitlines()[-1])["samples"] == json.loads(b.stdout.splitlines()[-1])["samples"]
+
+
+def test_bad_input_exits_with_message(ckpt):
+    res = _run(f"--checkpoint={ckpt}", "--prompt_ids=1,2", "--top_p=1.5")
+    assert res.returncode == 2 and "top_p must be in (0, 1]" in res.stderr
+    res = _run(f"--checkpoint={ckpt}", "--prompt_ids=1,x")
+    assert res.returncode != 0 and "comma-separated integers" in res.stderr
