@@ -5,7 +5,7 @@ Score of key s for query t (HF `GlmMoeDsaIndexer`):
 over causal keys (pos[s] <= pos[t]); each query keeps the top `index_topk` keys.
 
 Scalable path: queries are processed in blocks (`lax.map`), and for each block the keys stream
-through in blocks (`lax.scan`) while a running top-k is merged with each new block's scores. No
+through in blocks (a `fori_loop` that stops at the last causally visible block) while a running top-k is merged with each new block's scores. No
 `[S, T]` array exists; live memory is `O(query_block * (topk + key_block))`.
 
 Axis letters: B batch, S queries, T keys, H indexer heads, I indexer head dim, K top-k, D model dim,
@@ -71,13 +71,17 @@ def block_scores(q: jax.Array, w: jax.Array, k: jax.Array, scale: float) -> jax.
 
 
 def streaming_topk(q: jax.Array, w: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: jax.Array, topk: int, *,
-                   scale: float, query_block: int, key_block: int) -> jax.Array:
+                   scale: float, query_block: int, key_block: int, sorted_keys: bool = True) -> jax.Array:
     """Exact causal top-k of the index scores without materialising `[S, T]`.
 
     q: [B,S,H,I], w: [B,S,H], k: [B,T,I], q_pos: [S], k_pos: [T] (key s is visible to query t
     iff k_pos[s] <= q_pos[t]). Returns [B,S,K] int32 key indices, K = min(topk, T), ordered by
-    descending score; slots without a visible key hold INVALID.
+    descending score; slots without a visible key hold INVALID. `sorted_keys` (k_pos ascending,
+    as in a sequence or a cache) lets each query block stop at its last visible key block.
     """
+    # No gradient flows through selection (HF runs the indexer under no_grad); stopping it at the
+    # inputs also lets the key loop below have a data-dependent trip count.
+    q, w, k = jax.lax.stop_gradient((q, w, k))
     batch, seq, _, _ = q.shape
     num_keys = k.shape[1]
     kk = min(topk, num_keys)
@@ -91,29 +95,34 @@ def streaming_topk(q: jax.Array, w: jax.Array, k: jax.Array, q_pos: jax.Array, k
     nq, nk = q.shape[1] // qb, k.shape[1] // kb
     k_blocks = k.reshape(batch, nk, kb, -1).swapaxes(0, 1)  # [nk, B, kb, I]
     kpos_blocks = k_pos_p.reshape(nk, kb)
-    kidx_blocks = jnp.arange(nk * kb, dtype=jnp.int32).reshape(nk, kb)
+    # Key blocks whose smallest position exceeds a query block's largest one hold nothing visible;
+    # with positions sorted (slot order) the visible blocks are a prefix, so the loop stops there.
+    kpos_first = kpos_blocks[:, 0]
 
     def one_query_block(args):
         q_blk, w_blk, qpos_blk = args  # [B,qb,H,I], [B,qb,H], [qb]
 
-        def merge(carry, key_args):
+        def merge(j, carry):
             best_val, best_idx = carry  # [B,qb,K]
-            k_blk, kpos_blk, kidx_blk = key_args
-            scores = block_scores(q_blk, w_blk, k_blk, scale)
-            visible = kpos_blk[None, None, :] <= qpos_blk[None, :, None]
+            scores = block_scores(q_blk, w_blk, k_blocks[j], scale)
+            visible = kpos_blocks[j][None, None, :] <= qpos_blk[None, :, None]
             scores = jnp.where(visible, scores, -jnp.inf)
             # Running entries come first and hold smaller key indices, so ties keep the lowest index.
             vals = jnp.concatenate([best_val, scores], axis=-1)
-            idxs = jnp.concatenate([best_idx, jnp.broadcast_to(kidx_blk, scores.shape)], axis=-1)
+            kidx = j * kb + jnp.arange(kb, dtype=jnp.int32)
+            idxs = jnp.concatenate([best_idx, jnp.broadcast_to(kidx, scores.shape)], axis=-1)
             new_val, pos = jax.lax.top_k(vals, kk)
-            return (new_val, jnp.take_along_axis(idxs, pos, axis=-1)), None
+            return new_val, jnp.take_along_axis(idxs, pos, axis=-1)
 
         init = (jnp.full((batch, qb, kk), -jnp.inf, jnp.float32), jnp.full((batch, qb, kk), INVALID, jnp.int32))
-        (best_val, best_idx), _ = jax.lax.scan(merge, init, (k_blocks, kpos_blocks, kidx_blocks))
+        if sorted_keys:
+            n_visible = jnp.sum(kpos_first <= jnp.max(qpos_blk)).astype(jnp.int32)
+        else:
+            n_visible = nk
+        best_val, best_idx = jax.lax.fori_loop(0, n_visible, merge, init)
         return jnp.where(jnp.isneginf(best_val), INVALID, best_idx)
 
     q_blocks = q.reshape(batch, nq, qb, *q.shape[2:]).swapaxes(0, 1)
     w_blocks = w.reshape(batch, nq, qb, -1).swapaxes(0, 1)
     out = jax.lax.map(one_query_block, (q_blocks, w_blocks, q_pos_p.reshape(nq, qb)))  # [nq,B,qb,K]
-    out = out.swapaxes(0, 1).reshape(batch, nq * qb, kk)[:, :seq]
-    return jax.lax.stop_gradient(out)
+    return out.swapaxes(0, 1).reshape(batch, nq * qb, kk)[:, :seq]
