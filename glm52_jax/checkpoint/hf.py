@@ -295,7 +295,8 @@ def load_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, shardings=None,
     """
     path = os.fspath(path)
     cfg = ModelConfig.from_json_file(os.path.join(path, "config.json")).with_env_rope_scaling()
-    opts = dataclasses.replace(options or ModelOptions(), param_dtype=dtype)
+    # HF checkpoints hold no adapters: load the base, then attach fresh LoRA if the options ask for it.
+    opts = dataclasses.replace(options or ModelOptions(), param_dtype=dtype, lora=None)
     ckpt = _Checkpoint(path)
     fused = _check_inventory(cfg, ckpt)
     abstract = nnx.eval_shape(lambda: GlmMoeDsa(cfg, opts, rngs=nnx.Rngs(0)))
@@ -329,7 +330,11 @@ def load_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, shardings=None,
                 parts = [np.asarray(reader(layer_of[(stack, rep, slot)], expert_index))[rest] for rep in reps]
                 return np.stack(parts)
         leaves.append((key, var, _materialize(read, shape, target, var, shardings)))
-    return nnx.merge(graphdef, nnx.from_flat_state([(k, v.replace(value)) for k, v, value in leaves]))
+    model = nnx.merge(graphdef, nnx.from_flat_state([(k, v.replace(value)) for k, v, value in leaves]))
+    if options is not None and options.lora is not None:
+        from glm52_jax.model.lora import attach_lora
+        model = attach_lora(model, options.lora)
+    return model
 
 
 def _materialize(read, shape, dtype, var, mesh) -> jax.Array:

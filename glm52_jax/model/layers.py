@@ -54,8 +54,15 @@ class LayerNorm(nnx.Module):
         return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def project(x: jax.Array, kernel: nnx.Param, spec: str) -> jax.Array:
-    """`einsum(spec, x, kernel)` in the kernel's dtype with float32 accumulation."""
+def project(x: jax.Array, kernel: nnx.Param, spec: str, lora=None) -> jax.Array:
+    """`einsum(spec, x, kernel)` in the kernel's dtype with float32 accumulation.
+
+    `lora`: None, or a callable `(x, spec) -> float32 delta` (a `lora.Adapter`), added to the
+    float32 accumulator before the cast.
+    """
     w = kernel[...]
-    out = jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    x = x.astype(w.dtype)
+    out = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+    if lora is not None:
+        out = out + lora(x, spec)
     return out.astype(w.dtype)

@@ -18,6 +18,7 @@ from glm52_jax import positions as rope_lib
 from glm52_jax.config import ModelConfig
 from glm52_jax.model.indexer import Indexer, streaming_topk
 from glm52_jax.model.layers import RMSNorm, param, project
+from glm52_jax.model.lora import KVBAdapter, adapter, targets
 from glm52_jax.model.options import ModelOptions
 from glm52_jax.model.sparse_attention import sparse_mla
 from glm52_jax.parallel.rules import constrain
@@ -41,6 +42,16 @@ class Attention(nnx.Module):
         self.w_uv = param(rngs, (c, h, v), ("kv_lora", "heads", "v_dim"), dt)
         self.o_proj = param(rngs, (h, v, cfg.hidden_size), ("heads", "v_dim", "embed"), dt)
         self.indexer = Indexer(cfg, dt, rngs) if has_indexer else None
+        # LoRA ("attention" family); None when off. The indexer gets none (its top-k is not
+        # differentiated, as in HF/slime).
+        lora, d, q = opts.lora, cfg.hidden_size, cfg.q_lora_rank
+        self.q_a_proj_lora = adapter(lora, "attention", "q_a_proj", (d,), ("embed",), (q,), ("q_lora",), rngs)
+        self.q_b_proj_lora = adapter(lora, "attention", "q_b_proj", (q,), ("q_lora",), (h, n + r),
+                                     ("heads", "qk_dim"), rngs)
+        self.kv_a_proj_with_mqa_lora = adapter(lora, "attention", "kv_a_proj_with_mqa", (d,), ("embed",), (c + r,),
+                                               ("kv_lora",), rngs)
+        self.kv_b_proj_lora = KVBAdapter(lora, c, h, n, v, rngs) if targets(lora, "attention") else None
+        self.o_proj_lora = adapter(lora, "attention", "o_proj", (h, v), ("heads", "v_dim"), (d,), ("embed",), rngs)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
                  prev_topk: jax.Array | None, layer_cache=None, start=None):
@@ -52,11 +63,11 @@ class Attention(nnx.Module):
         Returns (y [B,S,D], top-k [B,S,K] in key-slot space, updated layer cache or None).
         """
         cfg, nope = self.cfg, self.cfg.qk_nope_head_dim
-        q_resid = self.q_a_layernorm(project(x, self.q_a_proj, "bsd,dq->bsq"))
-        q = project(q_resid, self.q_b_proj, "bsq,qhe->bshe")
+        q_resid = self.q_a_layernorm(project(x, self.q_a_proj, "bsd,dq->bsq", self.q_a_proj_lora))
+        q = project(q_resid, self.q_b_proj, "bsq,qhe->bshe", self.q_b_proj_lora)
         q_nope, q_rope = q[..., :nope], q[..., nope:]
         q_rope = rope_lib.apply_interleaved_rope(q_rope, cos[:, :, None, :], sin[:, :, None, :])
-        kv = project(x, self.kv_a_proj_with_mqa, "bsd,dc->bsc")
+        kv = project(x, self.kv_a_proj_with_mqa, "bsd,dc->bsc", self.kv_a_proj_with_mqa_lora)
         c_kv = self.kv_a_layernorm(kv[..., : cfg.kv_lora_rank])
         k_rope = rope_lib.apply_interleaved_rope(kv[..., cfg.kv_lora_rank:], cos, sin)
         if self.indexer is not None:
@@ -86,10 +97,11 @@ class Attention(nnx.Module):
                 raise ValueError("a 'shared' indexer layer needs the previous full layer's top-k")
             topk = prev_topk
 
-        q_lat = project(q_nope, self.w_uk, "bshn,chn->bshc")
+        kv_b = self.kv_b_proj_lora
+        q_lat = project(q_nope, self.w_uk, "bshn,chn->bshc", None if kv_b is None else kv_b.key)
         q_lat = constrain(q_lat, ("batch", "seq", "heads", "kv_lora"))
         out_lat = sparse_mla(q_lat, q_rope, keys_c.astype(q_lat.dtype), keys_r.astype(q_rope.dtype), topk,
                              scale=cfg.softmax_scale, query_block=self.opts.attention_query_block)
-        out = project(out_lat, self.w_uv, "bshc,chv->bshv")
-        y = project(out, self.o_proj, "bshv,hvd->bsd")
+        out = project(out_lat, self.w_uv, "bshc,chv->bshv", None if kv_b is None else kv_b.value)
+        y = project(out, self.o_proj, "bshv,hvd->bsd", self.o_proj_lora)
         return constrain(y, ("batch", "seq", "embed")), topk, new_cache

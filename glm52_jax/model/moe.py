@@ -6,7 +6,8 @@ highest; the combine weights are the unbiased scores of the chosen experts, opti
 (`norm_topk_prob`), times `routed_scaling_factor`.
 
 Experts run dropless: token-expert pairs are sorted by expert and fed to `lax.ragged_dot`, so
-memory is `O(tokens * top_k * D)` whatever the routing.
+memory is `O(tokens * top_k * D)` whatever the routing. Routed-expert LoRA (per-expert A and B)
+runs on the same sorted rows with the same group sizes.
 
 Axis letters: T tokens, D model, I expert intermediate, E experts, G groups, K experts per token.
 """
@@ -19,21 +20,28 @@ from flax import nnx
 
 from glm52_jax.config import ModelConfig
 from glm52_jax.model.layers import param, project
+from glm52_jax.model.lora import Adapter, LoRAConfig, adapter
 from glm52_jax.model.options import ModelOptions
 from glm52_jax.parallel.rules import constrain
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); `lora_family` names its LoRA family (dense / shared)."""
 
-    def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs):
+    def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs, lora: LoRAConfig | None = None,
+                 lora_family: str = "dense_mlp"):
         self.gate_proj = param(rngs, (hidden, intermediate), ("embed", "mlp"), dtype)
         self.up_proj = param(rngs, (hidden, intermediate), ("embed", "mlp"), dtype)
         self.down_proj = param(rngs, (intermediate, hidden), ("mlp", "embed"), dtype)
+        d, i, d_axes, i_axes = (hidden,), (intermediate,), ("embed",), ("mlp",)
+        self.gate_proj_lora = adapter(lora, lora_family, "gate_proj", d, d_axes, i, i_axes, rngs)
+        self.up_proj_lora = adapter(lora, lora_family, "up_proj", d, d_axes, i, i_axes, rngs)
+        self.down_proj_lora = adapter(lora, lora_family, "down_proj", i, i_axes, d, d_axes, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = jax.nn.silu(project(x, self.gate_proj, "...d,di->...i")) * project(x, self.up_proj, "...d,di->...i")
-        return project(h, self.down_proj, "...i,id->...d")
+        gate = project(x, self.gate_proj, "...d,di->...i", self.gate_proj_lora)
+        h = jax.nn.silu(gate) * project(x, self.up_proj, "...d,di->...i", self.up_proj_lora)
+        return project(h, self.down_proj, "...i,id->...d", self.down_proj_lora)
 
 
 def route(cfg: ModelConfig, x: jax.Array, router: jax.Array, bias: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -55,20 +63,31 @@ def route(cfg: ModelConfig, x: jax.Array, router: jax.Array, bias: jax.Array) ->
     return weights * cfg.routed_scaling_factor, experts.astype(jnp.int32)
 
 
+def _ragged(xs: jax.Array, w: jax.Array, group_sizes: jax.Array, lora: Adapter | None) -> jax.Array:
+    """`xs: [T*K,in]` (expert-sorted) times each row's expert weight `w: [E,in,out]` (+ LoRA), float32."""
+    out = jax.lax.ragged_dot(xs, w, group_sizes, preferred_element_type=jnp.float32)
+    return out if lora is None else out + lora.ragged_delta(xs, group_sizes)
+
+
 def experts_ragged(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                   w_down: jax.Array) -> jax.Array:
-    """Dropless routed experts: `x: [T,D], weights/experts: [T,K]`, `w_*: [E,D,I] / [E,I,D]` -> [T,D]."""
+                   w_down: jax.Array, lora: tuple[Adapter | None, Adapter | None, Adapter | None] | None = None
+                   ) -> jax.Array:
+    """Dropless routed experts: `x: [T,D], weights/experts: [T,K]`, `w_*: [E,D,I] / [E,I,D]` -> [T,D].
+
+    `lora`: None, or the (gate, up, down) routed-expert adapters (A [E,in,r], B [E,r,out]).
+    """
     tokens, k = experts.shape
     num_experts = w_gate.shape[0]
+    lora_gate, lora_up, lora_down = lora or (None, None, None)
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token_of = order // k
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     xs = x[token_of].astype(w_gate.dtype)
-    gate = jax.lax.ragged_dot(xs, w_gate, group_sizes, preferred_element_type=jnp.float32)
-    up = jax.lax.ragged_dot(xs, w_up, group_sizes, preferred_element_type=jnp.float32)
+    gate = _ragged(xs, w_gate, group_sizes, lora_gate)
+    up = _ragged(xs, w_up, group_sizes, lora_up)
     h = (jax.nn.silu(gate) * up).astype(w_down.dtype)
-    y = jax.lax.ragged_dot(h, w_down, group_sizes, preferred_element_type=jnp.float32)
+    y = _ragged(h, w_down, group_sizes, lora_down)
     y = y * weights.reshape(-1)[order][:, None]
     return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(y)
 
@@ -85,13 +104,21 @@ class MoE(nnx.Module):
         self.w_gate = param(rngs, (e, d, i), ("experts", "embed", "expert_mlp"), dt)
         self.w_up = param(rngs, (e, d, i), ("experts", "embed", "expert_mlp"), dt)
         self.w_down = param(rngs, (e, i, d), ("experts", "expert_mlp", "embed"), dt)
-        self.shared_experts = MLP(d, i * cfg.n_shared_experts, dt, rngs)
+        self.shared_experts = MLP(d, i * cfg.n_shared_experts, dt, rngs, opts.lora, "shared_expert")
+        experts = dict(lead_shape=(e,), lead_axes=("experts",))
+        self.w_gate_lora = adapter(opts.lora, "routed_experts", "w_gate", (d,), ("embed",), (i,), ("expert_mlp",),
+                                   rngs, **experts)
+        self.w_up_lora = adapter(opts.lora, "routed_experts", "w_up", (d,), ("embed",), (i,), ("expert_mlp",),
+                                 rngs, **experts)
+        self.w_down_lora = adapter(opts.lora, "routed_experts", "w_down", (i,), ("expert_mlp",), (d,), ("embed",),
+                                   rngs, **experts)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """`x: [B,S,D] -> [B,S,D]`."""
         batch, seq, d = x.shape
         flat = x.reshape(-1, d)
         weights, experts = route(self.cfg, flat, self.router[...], self.e_score_correction_bias[...])
-        routed = experts_ragged(flat, weights, experts, self.w_gate[...], self.w_up[...], self.w_down[...])
+        routed = experts_ragged(flat, weights, experts, self.w_gate[...], self.w_up[...], self.w_down[...],
+                                (self.w_gate_lora, self.w_up_lora, self.w_down_lora))
         routed = routed.astype(x.dtype).reshape(batch, seq, d)
         return constrain(routed + self.shared_experts(x), ("batch", "seq", "embed"))

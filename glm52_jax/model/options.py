@@ -6,6 +6,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from glm52_jax.model.lora import LoRAConfig
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelOptions:
@@ -13,6 +15,7 @@ class ModelOptions:
 
     `param_dtype` is also the activation dtype; the router, its correction bias and the indexer's
     `weights_proj` stay float32 whatever it is. Use float32 for parity checks.
+    `lora`: low-rank adapters on the frozen base (see `model.lora`); None (default) builds none.
     """
 
     param_dtype: object = jnp.bfloat16
@@ -20,6 +23,7 @@ class ModelOptions:
     indexer_key_block: int = 512
     attention_query_block: int = 64
     remat: bool = True
+    lora: LoRAConfig | None = None
 
     def __post_init__(self):
         for name in ("indexer_query_block", "indexer_key_block", "attention_query_block"):
@@ -27,3 +31,5 @@ class ModelOptions:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelOptions.{name}: expected a positive integer, got {value!r}")
         object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
+        if self.lora is not None and not isinstance(self.lora, LoRAConfig):
+            raise ValueError(f"ModelOptions.lora: expected a LoRAConfig or None, got {self.lora!r}")

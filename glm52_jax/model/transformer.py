@@ -21,6 +21,7 @@ from flax import nnx
 from glm52_jax import positions as rope_lib
 from glm52_jax.config import ModelConfig
 from glm52_jax.model.layers import RMSNorm, param
+from glm52_jax.model.lora import adapter
 from glm52_jax.model.mla import Attention
 from glm52_jax.model.moe import MLP, MoE
 from glm52_jax.model.kv_cache import KVCache, init_cache
@@ -77,7 +78,7 @@ class DecoderLayer(nnx.Module):
         if mlp_type == "sparse":
             self.mlp = MoE(cfg, opts, rngs)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dt, rngs)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dt, rngs, opts.lora, "dense_mlp")
 
     def __call__(self, h, cos, sin, positions, prev_topk, layer_cache=None, start=None):
         attn, topk, layer_cache = self.self_attn(self.input_layernorm(h), cos, sin, positions, prev_topk,
@@ -145,6 +146,9 @@ class GlmMoeDsa(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt,
                                  std=cfg.initializer_range)
+        # Unembed LoRA acts on the logits projection, tied or not (merging needs an untied lm_head).
+        self.lm_head_lora = adapter(opts.lora, "unembed", "lm_head", (cfg.hidden_size,), ("embed",),
+                                    (cfg.vocab_size,), ("vocab",), rngs)
 
     # -- forward --------------------------------------------------------------------------------
     def hidden_states(self, input_ids: jax.Array, positions: jax.Array | None = None, *,
@@ -227,7 +231,11 @@ class GlmMoeDsa(nnx.Module):
             w, spec = self.embed_tokens[...], "...d,vd->...v"
         else:
             w, spec = self.lm_head[...], "...d,dv->...v"
-        return jnp.einsum(spec, h.astype(w.dtype), w, preferred_element_type=jnp.float32)
+        h = h.astype(w.dtype)
+        out = jnp.einsum(spec, h, w, preferred_element_type=jnp.float32)
+        if self.lm_head_lora is not None:
+            out = out + self.lm_head_lora(h, "...d,dv->...v")
+        return out
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         return self.logits(self.hidden_states(input_ids, positions))

@@ -642,3 +642,19 @@ def test_load_onto_mesh_with_sliced_inner_dims(mesh, fused_dir, loaded_params):
     assert params[("lm_head",)].sharding.spec == P(None, "expert")
     for key, arr in params.items():
         np.testing.assert_array_equal(np.asarray(arr), loaded_params[key], err_msg=str(key))
+
+
+def test_load_with_lora_options_attaches_fresh_adapters(tmp_path):
+    from glm52_jax.model.lora import LoRA, LoRAConfig
+
+    cfg = config.tiny(num_hidden_layers=2, indexer_types=("full", "shared"))
+    base = glm52_jax.GlmMoeDsa(cfg, glm52_jax.ModelOptions(param_dtype=jnp.float32), rngs=nnx.Rngs(0))
+    glm52_jax.save_pretrained(base, tmp_path / "ck")
+    opts = glm52_jax.ModelOptions(param_dtype=jnp.float32, lora=LoRAConfig(rank=4, alpha=8.0))
+    model = glm52_jax.load_pretrained(tmp_path / "ck", dtype=jnp.float32, options=opts)
+    adapters = jax.tree.leaves(nnx.state(model, LoRA))
+    norms = [float(jnp.abs(a).max()) for a in adapters]
+    assert any(n > 0 for n in norms) and any(n == 0 for n in norms)  # A random, B zero
+    ids = jnp.asarray([[3, 1, 4, 1, 5, 9, 2, 6]], jnp.int32)
+    # B = 0: the adapted model computes the base model's logits.
+    np.testing.assert_allclose(np.asarray(model(ids)), np.asarray(base(ids)), atol=1e-6)

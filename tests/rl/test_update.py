@@ -1,0 +1,109 @@
+"""One GRPO update: LoRA-only AdamW step; a non-finite gradient aborts it with nothing changed."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import glm52_jax
+from glm52_jax import config
+from glm52_jax.model.lora import FAMILIES, LoRA, LoRAConfig
+from glm52_jax.model.transformer import GlmMoeDsa
+from glm52_jax.rl.update import AdamWConfig, LoRAOptimizer, NonFiniteGradientError, grpo_update
+
+OPTS = glm52_jax.ModelOptions(param_dtype=jnp.float32, indexer_query_block=16, indexer_key_block=16,
+                              attention_query_block=8, lora=LoRAConfig(rank=4, alpha=8.0))
+CFG = config.tiny(num_hidden_layers=4, indexer_types=("full", "full", "shared", "shared"))
+P, G, R = 24, 2, 4
+ADAMW = AdamWConfig(learning_rate=1e-3, weight_decay=0.01, max_grad_norm=1.0)
+
+
+
+def _rngs():
+    """rbg keys: their random draws compile fast on XLA:CPU (eager init compiles every op once)."""
+    return nnx.Rngs(jax.random.key(0, impl="rbg"), lora=jax.random.key(1, impl="rbg"))
+
+@pytest.fixture(scope="module")
+def fresh():
+    """A freshly initialised LoRA model (B = 0); tests take clones, since updates mutate."""
+    return GlmMoeDsa(CFG, OPTS, rngs=_rngs())
+
+
+@pytest.fixture(scope="module")
+def batch():
+    rng = np.random.default_rng(0)
+    mask = np.ones((G, R), np.float32)
+    mask[0, 3:] = 0
+    return dict(prompt=rng.integers(0, 512, P), responses=rng.integers(0, 512, (G, R)), response_mask=mask,
+                old_logprobs=rng.normal(-6.3, 0.2, (G, R)).astype(np.float32),
+                advantages=np.array([0.7, -0.7], np.float32))
+
+
+def _bytes(tree) -> list[bytes]:
+    return [np.asarray(leaf).tobytes() for leaf in jax.tree.leaves(tree)]
+
+
+def _flat(model, kind):
+    return {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(nnx.state(model, kind))}
+
+
+def test_one_step_trains_lora_only(fresh, batch):
+    model = nnx.clone(fresh)
+    optimizer = LoRAOptimizer(model, ADAMW)
+    base_before, lora_before = _bytes(nnx.state(model, nnx.Param)), _flat(model, LoRA)
+    result = grpo_update(model, optimizer, **batch, mode="shared_prefix")
+    assert np.isfinite(float(result.loss)) and float(result.grad_norm) > 0
+    assert result.step == optimizer.step == 1
+    counts = [c for c in jax.tree.leaves(optimizer.opt_state) if np.asarray(c).dtype == np.int32]
+    assert counts and all(int(c) == 1 for c in counts)  # optax's Adam step count
+    assert _bytes(nnx.state(model, nnx.Param)) == base_before  # the base never changes
+    families = {p: v.get_metadata()["family"] for p, v in nnx.to_flat_state(nnx.state(model, LoRA))}
+    moved = set()
+    for path, after in _flat(model, LoRA).items():
+        if path[-1] in ("b", "b_k", "b_v"):
+            assert np.abs(after).max() > 0, path  # every B left zero
+            moved.add(families[path])
+    assert moved == set(FAMILIES)
+    # A's gradient is zero while B = 0: only weight decay moves it, by lr * wd * A.
+    a_path = ("lm_head_lora", "a")
+    np.testing.assert_allclose(_flat(model, LoRA)[a_path], lora_before[a_path] * (1 - 1e-3 * 0.01), rtol=1e-6)
+
+
+def test_transform_clips_by_global_norm_then_adamw():
+    grads = {"a": jnp.asarray([3.0, 4.0]), "b": jnp.asarray([0.0])}  # global norm 5
+    params = {"a": jnp.asarray([1.0, -1.0]), "b": jnp.asarray([2.0])}
+    cfg = AdamWConfig(learning_rate=0.1, eps=1.0, weight_decay=0.5, max_grad_norm=1.0)  # eps=1: not scale-free
+    tx = cfg.transform()
+    updates, _ = tx.update(grads, tx.init(params), params)
+    ref_tx = optax.adamw(0.1, b1=cfg.b1, b2=cfg.b2, eps=1.0, weight_decay=0.5)
+    scaled = jax.tree.map(lambda g: g / 5.0, grads)
+    expect, _ = ref_tx.update(scaled, ref_tx.init(params), params)
+    for k in grads:
+        np.testing.assert_allclose(np.asarray(updates[k]), np.asarray(expect[k]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("poison", ["advantage", "old_logprob"])
+def test_non_finite_gradient_aborts_with_nothing_changed(fresh, batch, poison):
+    model = nnx.clone(fresh)
+    optimizer = LoRAOptimizer(model, ADAMW)
+    bad = dict(batch)
+    if poison == "advantage":
+        bad["advantages"] = np.array([np.nan, -0.7], np.float32)
+    else:
+        old = batch["old_logprobs"].copy()
+        old[1, 0] = np.nan
+        bad["old_logprobs"] = old
+    params_before, opt_before = _bytes(nnx.state(model)), _bytes(optimizer.opt_state)
+    with pytest.raises(NonFiniteGradientError, match=r"LoRA parameter \S+lora/"):
+        grpo_update(model, optimizer, **bad, mode="shared_prefix")
+    assert optimizer.step == 0
+    assert _bytes(nnx.state(model)) == params_before
+    assert _bytes(optimizer.opt_state) == opt_before
+
+
+def test_optimizer_needs_lora():
+    base = nnx.eval_shape(lambda: GlmMoeDsa(CFG, glm52_jax.ModelOptions(param_dtype=jnp.float32), rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="no LoRA"):
+        LoRAOptimizer(base)
