@@ -242,12 +242,15 @@ class GlmMoeDsa(nnx.Module):
 
 
 def token_logprobs(model: GlmMoeDsa, input_ids: jax.Array, *, chunk: int = 1024) -> jax.Array:
-    """Log-prob of each next token: `input_ids: [B,S] -> [B,S-1]` float32.
+    """Log-prob of each next token: `input_ids: [B,S] -> [B,S-1]` float32."""
+    return target_logprobs(model, model.hidden_states(input_ids)[:, :-1], input_ids[:, 1:], chunk)
 
-    Logits are formed `chunk` positions at a time, so `[B,S,V]` never exists at once.
+
+def target_logprobs(model: GlmMoeDsa, h: jax.Array, targets: jax.Array, chunk: int = 1024) -> jax.Array:
+    """Log-prob of `targets: [B,N]` under the logits of `h: [B,N,D]` -> [B,N] float32.
+
+    Logits are formed `chunk` positions at a time, so `[B,N,V]` never exists at once.
     """
-    h = model.hidden_states(input_ids)[:, :-1]
-    targets = input_ids[:, 1:]
     batch, n, d = h.shape
     c = max(1, min(chunk, n))
     pad = (-n) % c

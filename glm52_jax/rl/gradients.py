@@ -33,6 +33,7 @@ from flax import nnx
 
 from glm52_jax.model.kv_cache import KVCache
 from glm52_jax.model.lora import LoRA
+from glm52_jax.model.transformer import target_logprobs
 from glm52_jax.rl import grpo
 
 MODES = ("conventional", "response_only", "shared_prefix")
@@ -85,25 +86,8 @@ def split_lora(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
 # Pieces shared by the modes (all traced; `model` is merged from graphdef + states).
 
 
-def response_logprobs(model, h: jax.Array, targets: jax.Array, chunk: int = 1024) -> jax.Array:
-    """Log-prob of `targets: [B,R]` under the logits of `h: [B,R,D]` -> [B,R] float32.
-
-    Logits are formed `chunk` positions at a time, so `[B,R,V]` never exists at once.
-    """
-    batch, n, d = h.shape
-    c = max(1, min(chunk, n))
-    pad = (-n) % c
-    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
-    targets = jnp.pad(targets, ((0, 0), (0, pad)))
-    nc = h.shape[1] // c
-
-    def one(args):
-        hc, tc = args  # [B,c,D], [B,c]
-        logp = jax.nn.log_softmax(model.logits(hc), axis=-1)
-        return jnp.take_along_axis(logp, tc[..., None], axis=-1)[..., 0]
-
-    out = jax.lax.map(one, (h.reshape(batch, nc, c, d).swapaxes(0, 1), targets.reshape(batch, nc, c).swapaxes(0, 1)))
-    return out.swapaxes(0, 1).reshape(batch, nc * c)[:, :n]
+# Log-prob of response targets from hidden states: the same chunked head as `token_logprobs`.
+response_logprobs = target_logprobs
 
 
 def prefill(model, prompt: jax.Array, capacity: int) -> KVCache:
