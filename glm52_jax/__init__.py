@@ -3,12 +3,36 @@
     model = glm52_jax.load_pretrained(path)          # HF checkpoint directory
     logits = model(input_ids)                        # [B, S] int32 -> [B, S, V] float32
     logp = glm52_jax.token_logprobs(model, input_ids)  # [B, S-1] float32
+
+The exports load on first use, so tools that need no model (the evidence verifier, the roofline)
+start without importing JAX.
 """
 
-from glm52_jax.checkpoint.hf import load_pretrained, save_pretrained
-from glm52_jax.config import ModelConfig, glm52, tiny
-from glm52_jax.model.options import ModelOptions
-from glm52_jax.model.transformer import GlmMoeDsa, token_logprobs
+from __future__ import annotations
 
-__all__ = ["GlmMoeDsa", "ModelConfig", "ModelOptions", "glm52", "load_pretrained", "save_pretrained", "tiny",
-           "token_logprobs"]
+import importlib
+
+_EXPORTS = {
+    "load_pretrained": "glm52_jax.checkpoint.hf",
+    "save_pretrained": "glm52_jax.checkpoint.hf",
+    "ModelConfig": "glm52_jax.config",
+    "glm52": "glm52_jax.config",
+    "tiny": "glm52_jax.config",
+    "ModelOptions": "glm52_jax.model.options",
+    "GlmMoeDsa": "glm52_jax.model.transformer",
+    "token_logprobs": "glm52_jax.model.transformer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'glm52_jax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -14,6 +14,8 @@ Q q_lora rank, R rotary dim.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -71,41 +73,93 @@ def block_scores(q: jax.Array, w: jax.Array, k: jax.Array, scale: float) -> jax.
 
 
 def streaming_topk(q: jax.Array, w: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: jax.Array, topk: int, *,
-                   scale: float, query_block: int, key_block: int, sorted_keys: bool = True) -> jax.Array:
+                   scale: float, query_block: int, key_block: int, sorted_keys: bool = True,
+                   return_scores: bool = False):
     """Exact causal top-k of the index scores without materialising `[S, T]`.
 
     q: [B,S,H,I], w: [B,S,H], k: [B,T,I], q_pos: [S], k_pos: [T] (key s is visible to query t
     iff k_pos[s] <= q_pos[t]). Returns [B,S,K] int32 key indices, K = min(topk, T), ordered by
     descending score; slots without a visible key hold INVALID. `sorted_keys` (k_pos ascending,
     as in a sequence or a cache) lets each query block stop at its last visible key block.
+    With `return_scores`, returns (scores [B,S,K] float32, -inf where INVALID, indices).
     """
-    # No gradient flows through selection (HF runs the indexer under no_grad); stopping it at the
-    # inputs also lets the key loop below have a data-dependent trip count.
-    q, w, k = jax.lax.stop_gradient((q, w, k))
-    batch, seq, _, _ = q.shape
+    batch = q.shape[0]
     num_keys = k.shape[1]
-    kk = min(topk, num_keys)
-    qb = min(query_block, seq)
     kb = min(key_block, num_keys)
-    q = _pad_to(q, 1, qb, 0.0)
-    w = _pad_to(w, 1, qb, 0.0)
-    q_pos_p = _pad_to(q_pos, 0, qb, -1)  # padded queries see no key
-    k = _pad_to(k, 1, kb, 0.0)
+    k = jax.lax.stop_gradient(_pad_to(k, 1, kb, 0.0))
     k_pos_p = _pad_to(k_pos, 0, kb, jnp.iinfo(jnp.int32).max)  # padded keys are never visible
-    nq, nk = q.shape[1] // qb, k.shape[1] // kb
+    nk = k.shape[1] // kb
     k_blocks = k.reshape(batch, nk, kb, -1).swapaxes(0, 1)  # [nk, B, kb, I]
     kpos_blocks = k_pos_p.reshape(nk, kb)
     # Key blocks whose smallest position exceeds a query block's largest one hold nothing visible;
     # with positions sorted (slot order) the visible blocks are a prefix, so the loop stops there.
     kpos_first = kpos_blocks[:, 0]
 
+    def visible_blocks(qpos_blk):
+        if sorted_keys:
+            return jnp.sum(kpos_first <= jnp.max(qpos_blk)).astype(jnp.int32)
+        return nk
+
+    return _topk_core(q, w, q_pos, lambda j: (k_blocks[j], kpos_blocks[j]), visible_blocks, kb,
+                      min(topk, num_keys), scale, query_block, return_scores)
+
+
+def cached_topk(q: jax.Array, w: jax.Array, keys: jax.Array, index: tuple, q_pos: jax.Array, length: jax.Array,
+                topk: int, *, scale: float, query_block: int, key_block: int):
+    """Top-k over cache slots `[0, length)` of `keys[index]` (every query sits at or after `length`).
+
+    keys: [..., B, Cap, I] a stacked cache read in place: each key block is a small dynamic slice
+    at `index + (0, block_start, 0)`, so no per-layer copy of the cache is made. Returns
+    (scores [B,S,K], indices [B,S,K]) with K = min(topk, Cap), INVALID / -inf where empty.
+    """
+    batch, capacity, dim = keys.shape[-3:]
+    kb = math.gcd(capacity, min(key_block, capacity))  # blocks tile the cache exactly
+    lead = tuple(jnp.asarray(i, jnp.int32) for i in index)
+    zero = jnp.zeros((), jnp.int32)
+
+    def read(j):
+        start = (*lead, zero, j * kb, zero)
+        blk = jax.lax.dynamic_slice(keys, start, (1,) * len(lead) + (batch, kb, dim))
+        slots = j * kb + jnp.arange(kb, dtype=jnp.int32)
+        kpos = jnp.where(slots < length, slots, jnp.iinfo(jnp.int32).max)
+        return jax.lax.stop_gradient(blk.reshape(batch, kb, dim).astype(jnp.float32)), kpos
+
+    return _topk_core(q, w, q_pos, read, lambda qpos_blk: (length + kb - 1) // kb, kb, min(topk, capacity), scale,
+                      query_block, True)
+
+
+def merge_topk(first: tuple[jax.Array, jax.Array], second: tuple[jax.Array, jax.Array], topk: int) -> jax.Array:
+    """Top-k of two scored candidate lists `(scores, indices) [B,S,*]`; ties keep `first`'s entries."""
+    vals = jnp.concatenate([first[0], second[0]], axis=-1)
+    idxs = jnp.concatenate([first[1], second[1]], axis=-1)
+    best, pos = jax.lax.top_k(vals, min(topk, vals.shape[-1]))
+    return jnp.where(jnp.isneginf(best), INVALID, jnp.take_along_axis(idxs, pos, axis=-1))
+
+
+def _topk_core(q, w, q_pos, read_block, visible_blocks, kb, kk, scale, query_block, return_scores):
+    """Query blocks (`lax.map`) x visible key blocks (`fori_loop`) with a running top-k.
+
+    read_block(j) -> (keys [B,kb,I] float32, key positions [kb]); visible_blocks(qpos_blk) ->
+    number of leading key blocks any query of the block can see.
+    """
+    # No gradient flows through selection (HF runs the indexer under no_grad); stopping it at the
+    # inputs also lets the key loop below have a data-dependent trip count.
+    q, w = jax.lax.stop_gradient((q, w))
+    batch, seq, _, _ = q.shape
+    qb = min(query_block, seq)
+    q = _pad_to(q, 1, qb, 0.0)
+    w = _pad_to(w, 1, qb, 0.0)
+    q_pos_p = _pad_to(q_pos, 0, qb, -1)  # padded queries see no key
+    nq = q.shape[1] // qb
+
     def one_query_block(args):
         q_blk, w_blk, qpos_blk = args  # [B,qb,H,I], [B,qb,H], [qb]
 
         def merge(j, carry):
             best_val, best_idx = carry  # [B,qb,K]
-            scores = block_scores(q_blk, w_blk, k_blocks[j], scale)
-            visible = kpos_blocks[j][None, None, :] <= qpos_blk[None, :, None]
+            k_blk, kpos = read_block(j)
+            scores = block_scores(q_blk, w_blk, k_blk, scale)
+            visible = kpos[None, None, :] <= qpos_blk[None, :, None]
             scores = jnp.where(visible, scores, -jnp.inf)
             # Running entries come first and hold smaller key indices, so ties keep the lowest index.
             vals = jnp.concatenate([best_val, scores], axis=-1)
@@ -115,14 +169,14 @@ def streaming_topk(q: jax.Array, w: jax.Array, k: jax.Array, q_pos: jax.Array, k
             return new_val, jnp.take_along_axis(idxs, pos, axis=-1)
 
         init = (jnp.full((batch, qb, kk), -jnp.inf, jnp.float32), jnp.full((batch, qb, kk), INVALID, jnp.int32))
-        if sorted_keys:
-            n_visible = jnp.sum(kpos_first <= jnp.max(qpos_blk)).astype(jnp.int32)
-        else:
-            n_visible = nk
-        best_val, best_idx = jax.lax.fori_loop(0, n_visible, merge, init)
-        return jnp.where(jnp.isneginf(best_val), INVALID, best_idx)
+        best_val, best_idx = jax.lax.fori_loop(0, visible_blocks(qpos_blk), merge, init)
+        return best_val, jnp.where(jnp.isneginf(best_val), INVALID, best_idx)
 
     q_blocks = q.reshape(batch, nq, qb, *q.shape[2:]).swapaxes(0, 1)
     w_blocks = w.reshape(batch, nq, qb, -1).swapaxes(0, 1)
-    out = jax.lax.map(one_query_block, (q_blocks, w_blocks, q_pos_p.reshape(nq, qb)))  # [nq,B,qb,K]
-    return out.swapaxes(0, 1).reshape(batch, nq * qb, kk)[:, :seq]
+    vals, idx = jax.lax.map(one_query_block, (q_blocks, w_blocks, q_pos_p.reshape(nq, qb)))  # [nq,B,qb,K]
+
+    def unblock(x):
+        return x.swapaxes(0, 1).reshape(batch, nq * qb, kk)[:, :seq]
+
+    return (unblock(vals), unblock(idx)) if return_scores else unblock(idx)

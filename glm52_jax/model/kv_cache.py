@@ -69,3 +69,39 @@ def broadcast_batch(cache: KVCache, batch: int) -> KVCache:
 
     return KVCache(tuple(map(rep, cache.c_kv)), tuple(map(rep, cache.k_rope)), tuple(map(rep, cache.index_k)),
                    cache.length)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCacheView:
+    """One layer's part of a segment's stacked cache, read in place (never sliced out).
+
+    c_kv / k_rope: the segment's [repeats, U, B, Cap, *] stacks, `slot` = (repeat, unit slot);
+    index_k: the segment's [repeats, F, B, Cap, I] stack with `index_slot` = (repeat, full slot),
+    or None on a 'shared' layer. `length`: cached tokens ([] int32).
+    """
+
+    c_kv: jax.Array
+    k_rope: jax.Array
+    index_k: jax.Array | None
+    slot: tuple
+    index_slot: tuple | None
+    length: jax.Array
+
+    @property
+    def capacity(self) -> int:
+        return self.c_kv.shape[-2]
+
+
+def write_chunk(cache: KVCache, new_c, new_r, new_i, seq: int) -> KVCache:
+    """Writes a chunk's entries (per segment [repeats, U|F, B, S, *]) at slot `length`; length += S.
+
+    One `dynamic_update_slice` per stacked array: under jit, with the cache in a loop carry or
+    donated, XLA updates it in place instead of copying the whole cache per layer.
+    """
+
+    def put(stack, chunk):
+        start = (0, 0, 0, cache.length, 0)
+        return jax.lax.dynamic_update_slice(stack, chunk.astype(stack.dtype), start)
+
+    return KVCache(tuple(map(put, cache.c_kv, new_c)), tuple(map(put, cache.k_rope, new_r)),
+                   tuple(map(put, cache.index_k, new_i)), cache.length + seq)

@@ -16,11 +16,12 @@ from flax import nnx
 
 from glm52_jax import positions as rope_lib
 from glm52_jax.config import ModelConfig
-from glm52_jax.model.indexer import Indexer, streaming_topk
+from glm52_jax.model.indexer import Indexer, cached_topk, merge_topk, streaming_topk
+from glm52_jax.model.kv_cache import LayerCacheView
 from glm52_jax.model.layers import RMSNorm, param, project
 from glm52_jax.model.lora import KVBAdapter, adapter, targets
 from glm52_jax.model.options import ModelOptions
-from glm52_jax.model.sparse_attention import sparse_mla
+from glm52_jax.model.sparse_attention import array_rows, cached_rows, sparse_mla_rows
 from glm52_jax.parallel.rules import constrain
 
 
@@ -54,13 +55,14 @@ class Attention(nnx.Module):
         self.o_proj_lora = adapter(lora, "attention", "o_proj", (h, v), ("heads", "v_dim"), (d,), ("embed",), rngs)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
-                 prev_topk: jax.Array | None, layer_cache=None, start=None):
+                 prev_topk: jax.Array | None, cache: LayerCacheView | None = None):
         """One layer's attention over this chunk's tokens and (with a cache) all earlier ones.
 
         x: [B,S,D] (normed); cos/sin: [.,S,R/2]; positions: [S] int32 of the chunk's tokens.
-        layer_cache: None (the chunk is the whole sequence) or (c_kv [B,Cap,C], k_rope [B,Cap,R],
-        index_k [B,Cap,I] or None), into which the chunk is written at slot `start` first.
-        Returns (y [B,S,D], top-k [B,S,K] in key-slot space, updated layer cache or None).
+        cache: None (the chunk is the whole sequence) or a read-only view of this layer's cache
+        holding `cache.length` earlier tokens; the chunk sits at slots `length .. length+S-1`.
+        Returns (y [B,S,D], top-k [B,S,K] in key-slot space, this chunk's cache entries
+        (c_kv [B,S,C], k_rope [B,S,R], indexer key [B,S,I] or None) for the caller to write).
         """
         cfg, nope = self.cfg, self.cfg.qk_nope_head_dim
         q_resid = self.q_a_layernorm(project(x, self.q_a_proj, "bsd,dq->bsq", self.q_a_proj_lora))
@@ -70,38 +72,37 @@ class Attention(nnx.Module):
         kv = project(x, self.kv_a_proj_with_mqa, "bsd,dc->bsc", self.kv_a_proj_with_mqa_lora)
         c_kv = self.kv_a_layernorm(kv[..., : cfg.kv_lora_rank])
         k_rope = rope_lib.apply_interleaved_rope(kv[..., cfg.kv_lora_rank:], cos, sin)
+        ik = None
         if self.indexer is not None:
             iq, ik, iw = self.indexer.project(x, q_resid, cos, sin)
 
-        if layer_cache is None:
-            keys_c, keys_r, k_pos, new_cache = c_kv, k_rope, positions, None
-            keys_i = ik if self.indexer is not None else None
-        else:
-            cache_c, cache_r, cache_i = layer_cache
-            keys_c = jax.lax.dynamic_update_slice_in_dim(cache_c, c_kv.astype(cache_c.dtype), start, axis=1)
-            keys_r = jax.lax.dynamic_update_slice_in_dim(cache_r, k_rope.astype(cache_r.dtype), start, axis=1)
-            keys_i = None
-            if self.indexer is not None:
-                keys_i = jax.lax.dynamic_update_slice_in_dim(cache_i, ik.astype(cache_i.dtype), start, axis=1)
-            keys_c = constrain(keys_c, ("batch", "seq", "kv_lora"))
-            keys_r = constrain(keys_r, ("batch", "seq", None))
-            k_pos = jnp.arange(keys_c.shape[1], dtype=jnp.int32)
-            new_cache = (keys_c, keys_r, keys_i)
-
-        if self.indexer is not None:
-            topk = streaming_topk(iq, iw, keys_i.astype(jnp.float32), positions, k_pos, cfg.index_topk,
-                                  scale=cfg.index_head_dim ** -0.5, query_block=self.opts.indexer_query_block,
-                                  key_block=self.opts.indexer_key_block)
-        else:
+        blocks = dict(query_block=self.opts.indexer_query_block, key_block=self.opts.indexer_key_block)
+        iscale = cfg.index_head_dim ** -0.5
+        if self.indexer is None:
             if prev_topk is None:
                 raise ValueError("a 'shared' indexer layer needs the previous full layer's top-k")
             topk = prev_topk
+        elif cache is None:
+            topk = streaming_topk(iq, iw, ik, positions, positions, cfg.index_topk, scale=iscale, **blocks)
+        else:
+            # Cached keys and the chunk's own keys are scored separately and merged, so the cache
+            # is only read (in place) here and written once per chunk by the caller.
+            past = cached_topk(iq, iw, cache.index_k, cache.index_slot, positions, cache.length, cfg.index_topk,
+                               scale=iscale, **blocks)
+            vals, idx = streaming_topk(iq, iw, ik, positions, positions, cfg.index_topk, scale=iscale,
+                                       return_scores=True, **blocks)
+            own = (vals, jnp.where(idx >= 0, idx + cache.length, idx))
+            topk = merge_topk(past, own, min(cfg.index_topk, cache.capacity))
 
+        if cache is None:
+            rows = array_rows(c_kv, k_rope)
+        else:
+            rows = cached_rows(cache.c_kv, cache.k_rope, cache.slot, cache.length, c_kv, k_rope)
         kv_b = self.kv_b_proj_lora
         q_lat = project(q_nope, self.w_uk, "bshn,chn->bshc", None if kv_b is None else kv_b.key)
         q_lat = constrain(q_lat, ("batch", "seq", "heads", "kv_lora"))
-        out_lat = sparse_mla(q_lat, q_rope, keys_c.astype(q_lat.dtype), keys_r.astype(q_rope.dtype), topk,
-                             scale=cfg.softmax_scale, query_block=self.opts.attention_query_block)
+        out_lat = sparse_mla_rows(q_lat, q_rope, rows, topk, scale=cfg.softmax_scale,
+                                  query_block=self.opts.attention_query_block)
         out = project(out_lat, self.w_uv, "bshc,chv->bshv", None if kv_b is None else kv_b.value)
         y = project(out, self.o_proj, "bshv,hvd->bsd", self.o_proj_lora)
-        return constrain(y, ("batch", "seq", "embed")), topk, new_cache
+        return constrain(y, ("batch", "seq", "embed")), topk, (c_kv, k_rope, ik)

@@ -25,6 +25,36 @@ def _gather_rows(rows: jax.Array, idx: jax.Array) -> jax.Array:
     return jax.vmap(lambda r, i: r[i])(rows, idx)
 
 
+def array_rows(c_kv: jax.Array, k_rope: jax.Array):
+    """Row source for keys held as plain arrays `c_kv: [B,T,C], k_rope: [B,T,R]`."""
+    return lambda idx: (_gather_rows(c_kv, idx), _gather_rows(k_rope, idx))
+
+
+def cached_rows(cache_c: jax.Array, cache_r: jax.Array, index: tuple, length: jax.Array, new_c: jax.Array,
+                new_r: jax.Array):
+    """Row source for a chunk attending to a stacked cache plus its own not-yet-written keys.
+
+    cache_c: [..., B, Cap, C] and cache_r: [..., B, Cap, R] are read in place at `index` (one gather
+    from the whole stack, no per-layer slice copy); slots `>= length` come from the chunk's own
+    rows `new_c: [B,S,C]`, `new_r: [B,S,R]` (slot `length + j` is chunk row j).
+    """
+    lead = tuple(jnp.asarray(i, jnp.int32) for i in index)
+
+    def rows(idx):  # [B,s,K], all >= 0
+        b = jnp.arange(idx.shape[0], dtype=jnp.int32)[:, None, None]
+        in_cache = idx < length
+        old = jnp.minimum(idx, cache_c.shape[-2] - 1)
+        new = jnp.clip(idx - length, 0, new_c.shape[1] - 1)
+        out = []
+        for cached, fresh in ((cache_c, new_c), (cache_r, new_r)):
+            past = cached[(*lead, b, old)]
+            mine = _gather_rows(fresh, new).astype(past.dtype)
+            out.append(jnp.where(in_cache[..., None], past, mine))
+        return tuple(out)
+
+    return rows
+
+
 def sparse_mla(q_lat: jax.Array, q_rope: jax.Array, c_kv: jax.Array, k_rope: jax.Array, topk: jax.Array, *,
                scale: float, query_block: int) -> jax.Array:
     """Attention over each query's selected keys.
@@ -32,6 +62,12 @@ def sparse_mla(q_lat: jax.Array, q_rope: jax.Array, c_kv: jax.Array, k_rope: jax
     q_lat: [B,S,H,C], q_rope: [B,S,H,R], c_kv: [B,T,C], k_rope: [B,T,R], topk: [B,S,K] int32
     (negative = no key). Returns the latent output [B,S,H,C] in q_lat's dtype.
     """
+    return sparse_mla_rows(q_lat, q_rope, array_rows(c_kv, k_rope), topk, scale=scale, query_block=query_block)
+
+
+def sparse_mla_rows(q_lat: jax.Array, q_rope: jax.Array, rows, topk: jax.Array, *, scale: float,
+                    query_block: int) -> jax.Array:
+    """`sparse_mla` with the keys given as a row source: `rows(idx [B,s,K]) -> ([B,s,K,C], [B,s,K,R])`."""
     batch, seq, heads, _ = q_lat.shape
     qb = min(query_block, seq)
     pad = (-seq) % qb
@@ -48,9 +84,8 @@ def sparse_mla(q_lat: jax.Array, q_rope: jax.Array, c_kv: jax.Array, k_rope: jax
     def one_block(args):
         ql, qr, idx = args  # [B,qb,H,C], [B,qb,H,R], [B,qb,K]
         valid = idx >= 0
-        safe = jnp.where(valid, idx, 0)
-        kv = _gather_rows(c_kv, safe)  # [B,qb,K,C]
-        kr = _gather_rows(k_rope, safe)  # [B,qb,K,R]
+        kv, kr = rows(jnp.where(valid, idx, 0))  # [B,qb,K,C], [B,qb,K,R]
+        kv, kr = kv.astype(ql.dtype), kr.astype(qr.dtype)
         logits = jnp.einsum("bshc,bskc->bshk", ql, kv, preferred_element_type=jnp.float32)
         logits = logits + jnp.einsum("bshr,bskr->bshk", qr, kr, preferred_element_type=jnp.float32)
         # A finite mask value keeps fully padded query rows NaN-free (their output is discarded, but a

@@ -24,7 +24,7 @@ from glm52_jax.model.layers import RMSNorm, param
 from glm52_jax.model.lora import adapter
 from glm52_jax.model.mla import Attention
 from glm52_jax.model.moe import MLP, MoE
-from glm52_jax.model.kv_cache import KVCache, init_cache
+from glm52_jax.model.kv_cache import KVCache, LayerCacheView, init_cache, write_chunk
 from glm52_jax.model.options import ModelOptions
 from glm52_jax.parallel.rules import constrain
 
@@ -80,12 +80,11 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dt, rngs, opts.lora, "dense_mlp")
 
-    def __call__(self, h, cos, sin, positions, prev_topk, layer_cache=None, start=None):
-        attn, topk, layer_cache = self.self_attn(self.input_layernorm(h), cos, sin, positions, prev_topk,
-                                                 layer_cache, start)
+    def __call__(self, h, cos, sin, positions, prev_topk, cache=None):
+        attn, topk, entries = self.self_attn(self.input_layernorm(h), cos, sin, positions, prev_topk, cache)
         h = h + attn
         h = h + self.mlp(self.post_attention_layernorm(h))
-        return constrain(h, ("batch", "seq", "embed")), topk, layer_cache
+        return constrain(h, ("batch", "seq", "embed")), topk, entries
 
 
 class Unit(nnx.Module):
@@ -95,27 +94,34 @@ class Unit(nnx.Module):
         self.kinds = unit
         self.layers = nnx.List([DecoderLayer(cfg, kind, opts, rngs) for kind in unit])
 
-    def __call__(self, h, cos, sin, positions, topk, unit_cache=None, start=None):
-        """unit_cache: None or (c_kv [U,B,Cap,C], k_rope [U,B,Cap,R], index_k [F,B,Cap,I])."""
+    def __call__(self, h, cos, sin, positions, topk, unit_cache=None):
+        """unit_cache: None, or (c_kv [reps,U,B,Cap,C], k_rope [reps,U,B,Cap,R], index_k [reps,F,B,Cap,I],
+        repeat index, length): the whole segment's cache, read in place at this unit's repeat.
+
+        Returns (h, topk, top-k of each full layer, the chunk's new entries stacked
+        ([U,B,S,C], [U,B,S,R], [F,B,S,I]) or None without a cache).
+        """
         produced, new_c, new_r, new_i = [], [], [], []
         full_slot = 0
         for slot, (kind, layer) in enumerate(zip(self.kinds, self.layers)):
-            layer_cache = None
+            view = None
+            full = kind[1] == "full"
             if unit_cache is not None:
-                index_k = unit_cache[2][full_slot] if kind[1] == "full" else None
-                layer_cache = (unit_cache[0][slot], unit_cache[1][slot], index_k)
-            h, topk, layer_cache = layer(h, cos, sin, positions, topk, layer_cache, start)
-            if kind[1] == "full":
+                seg_c, seg_r, seg_i, rep, length = unit_cache
+                view = LayerCacheView(seg_c, seg_r, seg_i if full else None, (rep, slot),
+                                      (rep, full_slot) if full else None, length)
+            h, topk, (c_kv, k_rope, ik) = layer(h, cos, sin, positions, topk, view)
+            new_c.append(c_kv)
+            new_r.append(k_rope)
+            if full:
                 produced.append(topk)
+                new_i.append(ik)
                 full_slot += 1
-            if layer_cache is not None:
-                new_c.append(layer_cache[0])
-                new_r.append(layer_cache[1])
-                if kind[1] == "full":
-                    new_i.append(layer_cache[2])
         if unit_cache is None:
             return h, topk, tuple(produced), None
-        stacked_i = jnp.stack(new_i) if new_i else unit_cache[2]
+        seg_i = unit_cache[2]
+        stacked_i = (jnp.stack(new_i) if new_i
+                     else jnp.zeros((0, *h.shape[:2], seg_i.shape[-1]), seg_i.dtype))
         return h, topk, tuple(produced), (jnp.stack(new_c), jnp.stack(new_r), stacked_i)
 
 
@@ -188,34 +194,42 @@ class GlmMoeDsa(nnx.Module):
         h = constrain(h, ("batch", "seq", "embed"))
         num_keys = seq if cache is None else cache.capacity
         topk = jnp.zeros((batch, seq, min(cfg.index_topk, num_keys)), jnp.int32)
-        start = None if cache is None else cache.length
         produced: dict[int, jax.Array] = {}
         new_c, new_r, new_i = [], [], []
         for s, (seg, stack) in enumerate(zip(self.segments_plan, self.stacks)):
             graphdef, state = nnx.split(stack)
+            # The segment's cache is a loop invariant of the scan (read in place by each layer);
+            # the scan emits only this chunk's entries, written into the cache once afterwards.
+            seg_cache = None if cache is None else (cache.c_kv[s], cache.k_rope[s], cache.index_k[s])
 
-            def body(carry, xs, graphdef=graphdef):
+            def body(carry, xs, graphdef=graphdef, seg_cache=seg_cache):
                 h, topk = carry
-                unit_state, unit_cache = xs
+                unit_state, rep = xs
                 unit = nnx.merge(graphdef, unit_state)
-                h, topk, made, unit_cache = unit(h, cos, sin, positions, topk, unit_cache, start)
-                return (h, topk), (made, unit_cache)
+                unit_cache = None if seg_cache is None else (*seg_cache, rep, cache.length)
+                h, topk, made, entries = unit(h, cos, sin, positions, topk, unit_cache)
+                return (h, topk), (made, entries)
 
             if self.opts.remat:
                 body = jax.checkpoint(body, prevent_cse=False)
-            seg_cache = None if cache is None else (cache.c_kv[s], cache.k_rope[s], cache.index_k[s])
-            (h, topk), (made, seg_cache) = jax.lax.scan(body, (h, topk), (state, seg_cache))
-            if seg_cache is not None:
-                new_c.append(seg_cache[0])
-                new_r.append(seg_cache[1])
-                new_i.append(seg_cache[2])
+            reps = jnp.arange(seg.repeats, dtype=jnp.int32)
+            if seg.repeats == 1:
+                # A one-trip scan would still be a loop; XLA copies the cache around its boundary.
+                (h, topk), ys = body((h, topk), jax.tree.map(lambda a: a[0], (state, reps)))
+                made, entries = jax.tree.map(lambda a: a[None], ys)
+            else:
+                (h, topk), (made, entries) = jax.lax.scan(body, (h, topk), (state, reps))
+            if entries is not None:
+                new_c.append(entries[0])
+                new_r.append(entries[1])
+                new_i.append(entries[2])
             full_ids = [j for j, kind in enumerate(seg.unit) if kind[1] == "full"]
             for slot, j in enumerate(full_ids):
                 for rep in range(seg.repeats):
                     produced[seg.start + rep * len(seg.unit) + j] = made[slot][rep]
         h = self.norm(h)
         if cache is not None:
-            cache = KVCache(tuple(new_c), tuple(new_r), tuple(new_i), cache.length + seq)
+            cache = write_chunk(cache, new_c, new_r, new_i, seq)
         return h, produced, cache
 
     def init_cache(self, batch: int, capacity: int, dtype=None) -> KVCache:

@@ -1,0 +1,91 @@
+"""CLI for evidence receipts.
+
+    python -m glm52_jax.evidence verify RECEIPT [--json]   # exit 0 valid, 1 failures, 2 usage
+    python -m glm52_jax.evidence show RECEIPT              # short summary (does not verify)
+
+RECEIPT is a receipt.json or the run directory holding it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from glm52_jax.evidence.receipt import NONDETERMINISTIC_KEY, RECEIPT_NAME, RESERVED_KEYS, EvidenceError, \
+    load_receipt, verify
+
+
+def _receipt_path(arg: str) -> Path:
+    path = Path(arg)
+    return path / RECEIPT_NAME if path.is_dir() else path
+
+
+def _verify(path: Path, as_json: bool) -> int:
+    failures = verify(path)
+    manifest, manifest_sha = None, None
+    if not failures:
+        receipt = load_receipt(path)
+        manifest, manifest_sha = receipt["manifest"], receipt["manifest_sha256"]
+    if as_json:
+        print(json.dumps({"ok": not failures, "receipt": str(path), "failures": failures,
+                          "artifacts": None if manifest is None else len(manifest), "manifest_sha256": manifest_sha}))
+    elif failures:
+        for failure in failures:
+            print(failure)
+    else:
+        print(f"OK {len(manifest)} artifacts, manifest {manifest_sha}")
+    return 1 if failures else 0
+
+
+def summary_lines(receipt: dict[str, Any]) -> list[str]:
+    """Human summary of a receipt: identity, provenance, sections, artifacts (no verification)."""
+    prov = receipt.get("provenance") or {}
+    git = prov.get("git") or {}
+    dirty = {True: " (dirty)", False: "", None: ""}.get(git.get("dirty"), "")
+    manifest = receipt.get("manifest") or []
+    sections = [k for k in receipt if k not in RESERVED_KEYS and k != NONDETERMINISTIC_KEY]
+    lines = [
+        f"schema    {receipt.get('schema')} v{receipt.get('version')}",
+        f"created   {receipt.get('created_utc')}",
+        f"source    {prov.get('source_sha256')} ({prov.get('source_files')} files)",
+        f"git       {git.get('commit')}{dirty}",
+        f"sections  {', '.join(sections) or '-'}",
+    ]
+    if isinstance(receipt.get(NONDETERMINISTIC_KEY), list):
+        lines.append(f"nondet    {', '.join(map(str, receipt[NONDETERMINISTIC_KEY]))}")
+    total = sum(e.get("bytes", 0) for e in manifest if isinstance(e, dict) and isinstance(e.get("bytes"), int))
+    lines.append(f"artifacts {len(manifest)} ({total} bytes), manifest {receipt.get('manifest_sha256')}")
+    lines += [f"  {str(e.get('kind', '?')):<16} {str(e.get('bytes', '?')):>12}  {e.get('path')}"
+              for e in manifest if isinstance(e, dict)]
+    lines.append(f"receipt   {receipt.get('receipt_sha256')}  (not verified; use `verify`)")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (argparse exits 2 itself on usage errors)."""
+    parser = argparse.ArgumentParser(prog="python -m glm52_jax.evidence", description="Evidence receipt tools.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_verify = sub.add_parser("verify", help="recompute all hashes; exit 1 naming each failure")
+    p_verify.add_argument("receipt", help="receipt.json or its run directory")
+    p_verify.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p_show = sub.add_parser("show", help="print a short summary of a receipt")
+    p_show.add_argument("receipt", help="receipt.json or its run directory")
+    args = parser.parse_args(argv)
+
+    path = _receipt_path(args.receipt)
+    if args.command == "verify":
+        return _verify(path, args.json)
+    try:
+        receipt = load_receipt(path)
+    except EvidenceError as e:
+        print(e)
+        return 1
+    print("\n".join(summary_lines(receipt)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
