@@ -113,7 +113,10 @@ def cached_topk(q: jax.Array, w: jax.Array, keys: jax.Array, index: tuple, q_pos
     (scores [B,S,K], indices [B,S,K]) with K = min(topk, Cap), INVALID / -inf where empty.
     """
     batch, capacity, dim = keys.shape[-3:]
-    kb = math.gcd(capacity, min(key_block, capacity))  # blocks tile the cache exactly
+    # Few queries (decode) take proportionally longer key blocks: the live score block stays
+    # query_block x key_block while the loop runs fewer, larger steps.
+    wide = key_block * max(1, query_block // q.shape[1])
+    kb = math.gcd(capacity, min(wide, capacity))  # blocks tile the cache exactly
     lead = tuple(jnp.asarray(i, jnp.int32) for i in index)
     zero = jnp.zeros((), jnp.int32)
 

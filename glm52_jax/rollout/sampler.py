@@ -31,6 +31,12 @@ from glm52_jax.rollout.cache import PrefixCache, fit_capacity
 
 log = logging.getLogger(__name__)
 
+# The cache is read inside loops (the indexer's key loop) and then updated in place. XLA:CPU's default
+# copy insertion copies every cache array read that way at the top level of a step (layer segments
+# that are not scanned); region analysis proves the copies unnecessary (measured at 16K slots, tiny
+# model, G=2: ~50 -> ~25 ms per decode step). A DebugOptions field, ignored by other backends.
+CACHE_COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
+
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 PAD_TOKEN = -1
@@ -148,8 +154,9 @@ class Sampler:
         def decode(state, cache, h_last, keys, forced, **kw):
             return _decode(nnx.merge(self.graphdef, state), cache, h_last, keys, forced, **kw)
 
-        self._prefill_chunk = jax.jit(prefill_chunk)
-        self._decode = jax.jit(decode, static_argnames=("steps", "temperature", "top_k", "top_p", "stop_ids"))
+        self._prefill_chunk = jax.jit(prefill_chunk, compiler_options=CACHE_COMPILER_OPTIONS)
+        self._decode = jax.jit(decode, static_argnames=("steps", "temperature", "top_k", "top_p", "stop_ids"),
+                               compiler_options=CACHE_COMPILER_OPTIONS)
 
     # -- public ----------------------------------------------------------------------------------
     def capacity_for(self, prompt_len: int, max_new_tokens: int) -> int:
