@@ -1,58 +1,78 @@
-"""Entry point. Until the online-GRPO launcher lands this runs a forward of a model:
-the embedded tiny default (seeded random weights), or an HF checkpoint with --checkpoint.
+"""Entry point: one online GRPO transaction from an ml_collections config (absl flags).
 
-    python -m glm52_jax.launch                      # tiny model, laptop CPU
-    python -m glm52_jax.launch --checkpoint=/ckpt/GLM-5.2 --seq_len=4096
+    python -m glm52_jax.launch                                   # configs/tiny.py, laptop CPU
+    python -m glm52_jax.launch --config=configs/tiny.py --workdir=/tmp/run \\
+        --config.sampling.num_samples=4 --config.train.gradient_mode=shared_prefix
+    python -m glm52_jax.launch --mode=forward --config.model.checkpoint=/ckpt/GLM-5.2   # smoke forward
+
+`--mode=train` runs the transaction (rl/transaction.py) and writes `WORKDIR/evidence/receipt.json`
+(check it with `python -m glm52_jax.evidence verify WORKDIR/evidence/receipt.json`) and
+`WORKDIR/metrics.jsonl`. `--mode=forward` runs one forward of the configured model and prints
+its mean token log-prob.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
+from pathlib import Path
 
 from absl import app, flags
+from ml_collections import config_flags
 
+ROOT = Path(__file__).resolve().parents[1]
 FLAGS = flags.FLAGS
-flags.DEFINE_string("checkpoint", None, "HF checkpoint directory; default: seeded random tiny model")
-flags.DEFINE_integer("seq_len", 256, "tokens per sequence", lower_bound=2)
-flags.DEFINE_integer("batch", 1, "sequences", lower_bound=1)
-flags.DEFINE_integer("seed", 0, "seed for weights (tiny) and input tokens")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "parameter / activation dtype")
+config_flags.DEFINE_config_file("config", str(ROOT / "configs" / "tiny.py"), "ml_collections config file")
+flags.DEFINE_string("workdir", None, "run directory (default: runs/<config.name>_<UTC time>)")
+flags.DEFINE_enum("mode", "train", ["train", "forward"], "train: one GRPO transaction; forward: smoke forward")
+flags.DEFINE_integer("seq_len", 256, "forward mode: tokens per sequence", lower_bound=2)
 
 
-def main(argv):
-    del argv
+def _forward(c) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
-    import glm52_jax
+    from glm52_jax.checkpoint.hf import load_pretrained
+    from glm52_jax.model.options import ModelOptions
+    from glm52_jax.model.transformer import GlmMoeDsa, token_logprobs
+    from glm52_jax.rl.transaction import check_config
 
-    dtype = jnp.dtype(FLAGS.dtype)
-    if FLAGS.checkpoint:
-        model = glm52_jax.load_pretrained(FLAGS.checkpoint, dtype=dtype)
+    plan = check_config(c)
+    dtype = jnp.dtype(c.model.dtype)
+    if plan.checkpoint is None:
+        model = GlmMoeDsa(plan.model_cfg, ModelOptions(param_dtype=dtype), rngs=nnx.Rngs(c.seed))
     else:
-        cfg = glm52_jax.tiny().with_env_rope_scaling()
-        model = glm52_jax.GlmMoeDsa(cfg, glm52_jax.ModelOptions(param_dtype=dtype), rngs=nnx.Rngs(FLAGS.seed))
-    cfg = model.cfg
-    ids = np.random.default_rng(FLAGS.seed).integers(0, cfg.vocab_size, (FLAGS.batch, FLAGS.seq_len))
+        model = load_pretrained(plan.checkpoint, dtype=dtype)
+    ids = np.random.default_rng(c.seed).integers(0, model.cfg.vocab_size, (1, FLAGS.seq_len))
     graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def logprobs(state, ids):
-        return glm52_jax.token_logprobs(nnx.merge(graphdef, state), ids)
-
     start = time.perf_counter()
-    out = np.asarray(logprobs(state, jnp.asarray(ids, jnp.int32)))
-    seconds = time.perf_counter() - start
+    out = np.asarray(jax.jit(lambda s, x: token_logprobs(nnx.merge(graphdef, s), x))(state, jnp.asarray(ids, jnp.int32)))
     if not np.isfinite(out).all():
         raise SystemExit("non-finite log-probs")
-    print(json.dumps({
-        "model": FLAGS.checkpoint or "tiny (random)", "layers": cfg.num_hidden_layers,
-        "full_indexer_layers": cfg.indexer_types.count("full"), "batch": FLAGS.batch, "seq_len": FLAGS.seq_len,
-        "dtype": FLAGS.dtype, "mean_token_logprob": float(out.mean()), "seconds_incl_compile": round(seconds, 2),
-    }))
+    return {"model": str(plan.checkpoint or f"random:{c.model.preset}"), "seq_len": FLAGS.seq_len,
+            "mean_token_logprob": float(out.mean()), "seconds_incl_compile": round(time.perf_counter() - start, 2)}
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from glm52_jax.parallel import distributed
+    from glm52_jax.rl.transaction import ConfigError, run_transaction
+
+    c = FLAGS.config
+    distributed.initialize()  # multi-host when GLM52_* or SLURM variables say so; else a no-op
+    try:
+        if FLAGS.mode == "forward":
+            print(json.dumps(_forward(c)))
+            return
+        workdir = FLAGS.workdir or str(Path("runs") / f"{c.name}_{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+        summary = run_transaction(c, workdir, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}") from None
+    print(json.dumps({k: summary[k] for k in ("receipt", "status", "candidates", "accepted")}))
 
 
 if __name__ == "__main__":

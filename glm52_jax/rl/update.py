@@ -95,13 +95,15 @@ def check_finite(grads: nnx.State, loss: jax.Array) -> None:
 @dataclasses.dataclass(frozen=True)
 class UpdateResult:
     """loss []: batch GRPO loss; grad_norm []: global L2 norm before clipping; logprobs [G,R];
-    metrics: `grpo.policy_loss` metrics; step: optimizer steps applied so far."""
+    metrics: `grpo.policy_loss` metrics; step: optimizer steps applied so far; grads: the
+    accumulated LoRA gradients the step used (before clipping)."""
 
     loss: jax.Array
     grad_norm: jax.Array
     logprobs: jax.Array
     metrics: dict[str, jax.Array]
     step: int
+    grads: nnx.State | None = None
 
 
 def grpo_update(model: nnx.Module, optimizer: LoRAOptimizer, prompt, responses, response_mask, old_logprobs,
@@ -117,4 +119,4 @@ def grpo_update(model: nnx.Module, optimizer: LoRAOptimizer, prompt, responses, 
     grad_norm = optax.tree.norm(_pure(result.grads))
     optimizer.apply(model, result.grads, result.loss)
     return UpdateResult(loss=result.loss, grad_norm=grad_norm, logprobs=result.logprobs, metrics=result.metrics,
-                        step=optimizer.step)
+                        step=optimizer.step, grads=result.grads)

@@ -1,0 +1,292 @@
+"""One online GRPO transaction (DESIGN §1): search, sample, reward, one update, evidence.
+
+    load policy + LoRA -> bounded candidate search (exact-N prompt, G samples, DAPO reward; accept
+    the first group whose rewards differ) -> parameter inventory unchanged by sampling -> G
+    backwards in the configured gradient mode, exactly one AdamW step -> receipt + manifest.
+
+Everything that can be checked cheaply (config values, checkpoint directory, data rows, prompt
+length against the position capacity, an existing receipt) is checked before the model loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+MODES = ("conventional", "response_only", "shared_prefix")
+EMBEDDED_POLICY = Path(__file__).resolve().parents[1] / "assets" / "tiny_policy"
+
+
+class ConfigError(ValueError):
+    """A config value that cannot run; raised before any expensive work."""
+
+
+@dataclasses.dataclass
+class Plan:
+    """What the checks resolved: where the model comes from and the candidate prompts."""
+
+    checkpoint: Path | None  # None: seeded random init of `preset`
+    model_cfg: Any  # ModelConfig
+    rows: list  # DapoRow per candidate
+    prompts: list[list[int]]  # exact-N token ids per candidate
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def check_config(c) -> Plan:
+    """Validates the config and resolves checkpoint, rows and prompts (no model is built)."""
+    from glm52_jax import config as config_lib
+    from glm52_jax.model.lora import FAMILIES
+    from glm52_jax.rl.data import load_rows
+    from glm52_jax.rl.prompts import build_exact_prompt
+    from glm52_jax.rollout.tokenizer import Tokenizer
+
+    s, t, m = c.sampling, c.train, c.model
+    _require(t.gradient_mode in MODES, f"train.gradient_mode must be one of {MODES}, got {t.gradient_mode!r}")
+    _require(isinstance(s.num_samples, int) and s.num_samples >= 2,
+             f"sampling.num_samples (G) must be an integer >= 2 for GRPO, got {s.num_samples!r}")
+    _require(isinstance(c.search.max_candidates, int) and c.search.max_candidates >= 1,
+             f"search.max_candidates must be a positive integer, got {c.search.max_candidates!r}")
+    _require(isinstance(m.lora_rank, int) and m.lora_rank >= 1, f"model.lora_rank must be >= 1, got {m.lora_rank!r}")
+    bad = sorted(set(m.lora_families) - set(FAMILIES))
+    _require(not bad, f"model.lora_families has unknown families {bad}; known: {list(FAMILIES)}")
+    _require(m.dtype in ("float32", "bfloat16"), f"model.dtype must be float32 or bfloat16, got {m.dtype!r}")
+    _require(t.learning_rate > 0, f"train.learning_rate must be > 0, got {t.learning_rate!r}")
+    _require(s.chunk_size >= 1, f"sampling.chunk_size must be >= 1, got {s.chunk_size!r}")
+
+    if m.checkpoint == "random":
+        presets = {"tiny": config_lib.tiny, "glm52": config_lib.glm52}
+        _require(m.preset in presets, f"model.preset must be one of {sorted(presets)}, got {m.preset!r}")
+        checkpoint, model_cfg = None, presets[m.preset]().with_env_rope_scaling()
+    else:
+        checkpoint = EMBEDDED_POLICY if m.checkpoint == "embedded" else Path(m.checkpoint)
+        _require((checkpoint / "config.json").is_file(),
+                 f"model.checkpoint: no config.json in {str(checkpoint)!r} (expected an HF checkpoint directory)")
+        model_cfg = config_lib.ModelConfig.from_json_file(checkpoint / "config.json").with_env_rope_scaling()
+
+    limit = model_cfg.max_position_embeddings
+    need = c.data.prompt_tokens + s.max_new_tokens
+    _require(need <= limit, f"data.prompt_tokens ({c.data.prompt_tokens}) + sampling.max_new_tokens "
+             f"({s.max_new_tokens}) = {need} exceeds the position capacity max_position_embeddings={limit}"
+             + ("" if os.environ.get("GLM52_ROPE_SCALING_JSON") else " (no GLM52_ROPE_SCALING_JSON set)"))
+
+    all_rows = load_rows(c.data.path or None, dedupe=c.data.dedupe)
+    _require(len(all_rows) > 0, "data: no rows")
+    tok = Tokenizer.default()
+    rows, prompts = [], []
+    for i in range(c.search.max_candidates):
+        row = all_rows[(c.data.first_row + i) % len(all_rows)]
+        try:
+            prompts.append(build_exact_prompt(tok, row, c.data.prompt_tokens))
+        except ValueError as e:
+            raise ConfigError(f"data.prompt_tokens: {e}") from None
+        rows.append(row)
+    _require(max(max(p) for p in prompts) < model_cfg.vocab_size,
+             f"the tokenizer's ids exceed the model's vocab_size {model_cfg.vocab_size}")
+    return Plan(checkpoint, model_cfg, rows, prompts)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _state_bytes(state) -> bytes:
+    """An nnx.State of arrays as one safetensors blob (deterministic: names sorted, fixed header)."""
+    import jax
+    from flax import nnx
+    from safetensors.numpy import save
+
+    arrays = {"/".join(map(str, path)): np.ascontiguousarray(jax.device_get(var.get_value()))
+              for path, var in nnx.to_flat_state(state)}
+    return save(dict(sorted(arrays.items())))
+
+
+def _lora_bytes(model) -> bytes:
+    from flax import nnx
+
+    from glm52_jax.model.lora import LoRA
+
+    return _state_bytes(nnx.state(model, LoRA))
+
+
+def _npy(array) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, np.asarray(array), allow_pickle=False)
+    return buf.getvalue()
+
+
+def run_transaction(c, workdir: str | os.PathLike, *, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Runs one transaction and writes `workdir/evidence/receipt.json`; returns its summary."""
+    workdir = Path(workdir)
+    plan = check_config(c)
+    from glm52_jax.evidence import EvidenceWriter, config_hash
+
+    writer = EvidenceWriter(workdir / "evidence")  # refuses an existing receipt before any compute
+    workdir.mkdir(parents=True, exist_ok=True)
+    metrics_path = workdir / "metrics.jsonl"
+    traces: list[dict[str, Any]] = []
+    t_start = time.perf_counter()
+
+    def event(kind: str, **fields):
+        record = {"event": kind, "t": round(time.perf_counter() - t_start, 3), **fields}
+        traces.append(record)
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from glm52_jax.checkpoint.hf import load_pretrained
+    from glm52_jax.checkpoint.inventory import param_inventory
+    from glm52_jax.model.lora import LoRAConfig, attach_lora
+    from glm52_jax.model.options import ModelOptions
+    from glm52_jax.model.transformer import GlmMoeDsa, token_logprobs
+    from glm52_jax.rl import grpo
+    from glm52_jax.rl.gradients import LossSettings
+    from glm52_jax.rl.rewards.dapo import compute_score
+    from glm52_jax.rl.update import AdamWConfig, LoRAOptimizer, NonFiniteGradientError, grpo_update
+    from glm52_jax.rollout.sampler import Sampler, SamplingParams
+    from glm52_jax.rollout.tokenizer import Tokenizer
+
+    m, s, t = c.model, c.sampling, c.train
+    dtype = jnp.dtype(m.dtype)
+    if plan.checkpoint is None:
+        base = GlmMoeDsa(plan.model_cfg, ModelOptions(param_dtype=dtype), rngs=nnx.Rngs(c.seed))
+    else:
+        base = load_pretrained(plan.checkpoint, dtype=dtype)
+    lora_cfg = LoRAConfig(rank=m.lora_rank, alpha=float(m.lora_alpha), families=frozenset(m.lora_families))
+    model = attach_lora(base, lora_cfg, seed=c.seed)
+    cfg = model.cfg
+    event("loaded", checkpoint=str(plan.checkpoint or f"random:{m.preset}"))
+    inventory_before = param_inventory(model)
+    lora_before = _lora_bytes(model)
+
+    tok = Tokenizer.default()
+    stop_ids = tuple(int(i) for i in cfg.eos_token_id)
+    sampler = Sampler(model, chunk_size=s.chunk_size, prefix_cache_bytes=int(s.prefix_cache_mib) << 20,
+                      progress=lambda done, total, rate, eta: event("prefill", done=done, total=total,
+                                                                     tokens_per_s=round(rate, 1)))
+    candidates, accepted = [], None
+    for i, (row, prompt) in enumerate(zip(plan.rows, plan.prompts)):
+        params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=float(s.temperature),
+                                top_p=float(s.top_p), top_k=int(s.top_k), stop_token_ids=stop_ids,
+                                num_samples=s.num_samples, seed=c.seed * 1000 + i)
+        res = sampler.sample(prompt, params)
+        # Special tokens (the stop token) are not part of the answer text the reward parses.
+        texts = [tok.decode(res.completion(g), skip_special_tokens=True) for g in range(s.num_samples)]
+        scores = [compute_score(text, row.ground_truth) for text in texts]
+        rewards = [float(sc["score"]) for sc in scores]
+        cand = {"candidate": i, "row": row.index, "ground_truth": row.ground_truth, "rewards": rewards,
+                "preds": [sc["pred"] for sc in scores], "texts": texts, "lengths": res.lengths.tolist(),
+                "finish_reasons": res.finish_reasons, "prefix_hit_tokens": res.prefix_hit_tokens}
+        candidates.append(cand)
+        # Timings go to the traces only: the receipt's other sections must reproduce bit for bit.
+        event("candidate", candidate=i, row=row.index, rewards=rewards, prefix_hit_tokens=res.prefix_hit_tokens,
+              prefill_seconds=round(res.prefill_seconds, 3), decode_seconds=round(res.decode_seconds, 3))
+        log(f"candidate {i}: row {row.index} rewards {rewards} (prefix hit {res.prefix_hit_tokens} tokens)")
+        if len(set(rewards)) > 1:
+            accepted = (i, row, prompt, res, rewards)
+            break
+
+    inventory_after = param_inventory(model)
+    sampling_changed = sorted(k for k in inventory_before if inventory_before[k] != inventory_after.get(k))
+    if sampling_changed or inventory_before.keys() != inventory_after.keys():
+        raise RuntimeError(f"sampling changed parameters: {sampling_changed[:5]}")
+
+    training: dict[str, Any] = {"status": "no_mixed_group", "optimizer_steps": 0}
+    numerics: dict[str, Any] = {"finite": True}
+    arrays: dict[str, Any] = {}
+    if accepted is not None:
+        i, row, prompt, res, rewards = accepted
+        g, n = s.num_samples, s.max_new_tokens
+        mask = (np.arange(n)[None, :] < res.lengths[:, None]).astype(np.float32)
+        responses = np.where(mask > 0, res.tokens, cfg.pad_token_id or 0).astype(np.int32)
+        advantages = np.asarray(grpo.group_advantages(jnp.asarray(rewards, jnp.float32), group_size=g))
+        prefix = None
+        if t.gradient_mode == "response_only":  # reuse the sampler's prompt KV: no second prefill
+            prefix, _, _ = sampler.prefill(prompt, sampler.capacity_for(len(prompt), n))
+        optimizer = LoRAOptimizer(model, AdamWConfig(learning_rate=float(t.learning_rate),
+                                                     weight_decay=float(t.weight_decay),
+                                                     max_grad_norm=t.max_grad_norm))
+        loss_settings = LossSettings(clip_ratio_low=float(t.clip_ratio_low), clip_ratio_high=float(t.clip_ratio_high),
+                                     loss_agg_mode=t.loss_agg_mode)
+        event("update_start", mode=t.gradient_mode)
+        try:
+            upd = grpo_update(model, optimizer, np.asarray(prompt, np.int32), responses, mask, res.logprobs,
+                              advantages, mode=t.gradient_mode, loss=loss_settings, prefix_cache=prefix)
+        except NonFiniteGradientError as e:
+            numerics = {"finite": False, "error": str(e)}
+            training = {"status": "aborted_nonfinite", "optimizer_steps": 0, "mode": t.gradient_mode}
+        else:
+            graphdef, state = nnx.split(model)
+            logp_fn = jax.jit(lambda st, ids: token_logprobs(nnx.merge(graphdef, st), ids))
+            ids = np.concatenate([np.repeat(np.asarray(prompt, np.int32)[None], g, 0), responses], axis=1)
+            new_logprobs = np.asarray(logp_fn(state, jnp.asarray(ids)))[:, len(prompt) - 1:] * mask
+            loss = float(upd.loss)
+            training = {"status": "updated", "optimizer_steps": optimizer.step, "mode": t.gradient_mode,
+                        "loss": loss, "grad_norm": float(upd.grad_norm),
+                        "metrics": {k: float(v) for k, v in upd.metrics.items()},
+                        "grads_sha256": _sha256(_state_bytes(upd.grads)),
+                        "advantages": advantages.tolist()}
+            numerics = {"finite": bool(np.isfinite(loss) and np.isfinite(new_logprobs).all())}
+            arrays = {"new_logprobs.npy": new_logprobs, "responses.npy": responses, "response_mask.npy": mask}
+        arrays.update({"prompt_token_ids.npy": np.asarray(prompt, np.int32), "completion_tokens.npy": res.tokens,
+                       "old_logprobs.npy": res.logprobs})
+        event("update_end", **{k: training[k] for k in ("status", "optimizer_steps")})
+    lora_after = _lora_bytes(model)
+    training["lora_sha256_before"] = _sha256(lora_before)
+    training["lora_sha256_after"] = _sha256(lora_after)
+
+    for name, array in sorted(arrays.items()):
+        writer.add_array(name, array, kind="array")
+    writer.add_json("sampling_params.json", {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+                                             "max_new_tokens": s.max_new_tokens, "num_samples": s.num_samples,
+                                             "stop_token_ids": list(stop_ids), "seed_base": c.seed * 1000},
+                    kind="sampling")
+    writer.add_json("rewards.json", candidates, kind="rewards")
+    writer.add_json("inventory_before_sampling.json", inventory_before, kind="inventory")
+    writer.add_json("inventory_after_sampling.json", inventory_after, kind="inventory")
+    writer.add_bytes("lora_before.safetensors", lora_before, kind="lora")
+    writer.add_bytes("lora_after.safetensors", lora_after, kind="lora")
+    cleanup = {"prefix_cache_entries_dropped": len(sampler.prefix_cache), "prefix_cache_cleared": True}
+    sampler.prefix_cache.clear()
+    writer.add_json("cleanup.json", cleanup, kind="cleanup")
+    event("done", status=training["status"])
+    writer.add_bytes("traces/rank0.jsonl", "".join(json.dumps(r) + "\n" for r in traces).encode(), kind="trace")
+
+    devices = jax.devices()
+    fields = {
+        "prompt": {"tokens": c.data.prompt_tokens, "filler": "deterministic, shared across rows"},
+        "model": {"checkpoint": str(plan.checkpoint or f"random:{m.preset}"), "dtype": m.dtype,
+                  "layers": cfg.num_hidden_layers, "full_indexer_layers": cfg.indexer_types.count("full"),
+                  "lora": {"rank": m.lora_rank, "alpha": m.lora_alpha, "families": sorted(m.lora_families)}},
+        "positions": {"rope_type": cfg.rope.rope_type, "max_position_embeddings": cfg.max_position_embeddings},
+        "topology": {"platform": devices[0].platform, "devices": len(devices), "processes": jax.process_count()},
+        "config": {"name": c.name, "sha256": config_hash(c.to_dict())},
+        "candidate_search": {"max_candidates": c.search.max_candidates, "tried": len(candidates),
+                             "accepted": None if accepted is None else accepted[0]},
+        "completions": [{"candidate": cd["candidate"], "texts": cd["texts"], "lengths": cd["lengths"],
+                         "finish_reasons": cd["finish_reasons"]} for cd in candidates],
+        "rewards": [cd["rewards"] for cd in candidates],
+        "training": training,
+        "numerics": numerics,
+        "traces": {"ranks": 1, "events": len(traces)},
+        "cleanup": cleanup,
+        "nondeterministic": ["traces", "artifacts/traces/rank0.jsonl"],
+    }
+    receipt = writer.commit(fields)
+    log(f"receipt: {receipt}")
+    return {"receipt": str(receipt), "status": training["status"], "candidates": len(candidates),
+            "accepted": fields["candidate_search"]["accepted"], "training": training}
