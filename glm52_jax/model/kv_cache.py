@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from glm52_jax.config import ModelConfig
+from glm52_jax.parallel.rules import constrain
 
 CACHE_AXES = ("layers", None, "batch", "seq", None)
 
@@ -101,7 +102,8 @@ def write_chunk(cache: KVCache, new_c, new_r, new_i, seq: int) -> KVCache:
 
     def put(stack, chunk):
         start = (0, 0, 0, cache.length, 0)
-        return jax.lax.dynamic_update_slice(stack, chunk.astype(stack.dtype), start)
+        # The sequence axis stays sharded (context parallel) under a mesh; a no-op without one.
+        return constrain(jax.lax.dynamic_update_slice(stack, chunk.astype(stack.dtype), start), CACHE_AXES)
 
     return KVCache(tuple(map(put, cache.c_kv, new_c)), tuple(map(put, cache.k_rope, new_r)),
                    tuple(map(put, cache.index_k, new_i)), cache.length + seq)

@@ -77,3 +77,17 @@ def test_folded_context_and_experts_on_one_axis(saved):
     model, out = _run_on_mesh(path, ids, mesh, table)
     assert model.stacks[1].layers[0].mlp.w_gate[...].sharding.spec == P(None, "cp_ep", None, None)
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_cache_sequence_axis_stays_sharded(saved):
+    """A cached chunk under context 4 x expert 2: the written cache is split along its sequence axis."""
+    path, ids, _ = saved
+    mesh = jax.make_mesh((1, 4, 2), ("data", "context", "expert"), axis_types=(AxisType.Auto,) * 3)
+    model = glm52_jax.load_pretrained(path, dtype=jnp.float32, options=OPTS)
+    graphdef, state = nnx.split(model)
+    with jax.set_mesh(mesh):
+        cache = jax.jit(lambda st, x: nnx.merge(graphdef, st).forward_cached(x, model.init_cache(1, 64))[1])(
+            state, ids[:1, :16])
+    for stack in (*cache.c_kv, *cache.k_rope, *cache.index_k):
+        assert stack.sharding.spec[3] == "context", stack.sharding.spec
+        assert {s.data.shape[3] for s in stack.addressable_shards} == {16}  # 64 slots / 4
