@@ -39,6 +39,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.search.max_candidates = 8
 
     c.train = ml_collections.ConfigDict()
+    c.train.steps = 1  # transactions; each commits a receipt, then an Orbax checkpoint (resumable)
     c.train.gradient_mode = "response_only"  # conventional | response_only | shared_prefix
     c.train.learning_rate = 1e-4
     c.train.weight_decay = 0.0

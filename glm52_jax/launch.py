@@ -5,9 +5,11 @@
         --config.sampling.num_samples=4 --config.train.gradient_mode=shared_prefix
     python -m glm52_jax.launch --mode=forward --config.model.checkpoint=/ckpt/GLM-5.2   # smoke forward
 
-`--mode=train` runs the transaction (rl/transaction.py) and writes `WORKDIR/evidence/receipt.json`
-(check it with `python -m glm52_jax.evidence verify WORKDIR/evidence/receipt.json`) and
-`WORKDIR/metrics.jsonl`. `--mode=forward` runs one forward of the configured model and prints
+`--mode=train` runs `train.steps` transactions (rl/transaction.py); step k writes
+`WORKDIR/evidence/step_00000k/receipt.json` (check it with `python -m glm52_jax.evidence verify ...`),
+then an Orbax checkpoint `WORKDIR/checkpoints/k` (LoRA, AdamW state, RNG, data cursor); events go
+to `WORKDIR/metrics.jsonl`. Rerunning the command on the same workdir resumes after the last
+checkpoint (a larger `--config.train.steps` extends a finished run). `--mode=forward` runs one forward of the configured model and prints
 its mean token log-prob.
 """
 
@@ -18,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,19 +62,26 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from glm52_jax.parallel import distributed
-    from glm52_jax.rl.transaction import ConfigError, run_transaction
+    from glm52_jax.checkpoint.train_state import CheckpointMismatchError
+    from glm52_jax.rl.transaction import ConfigError, run_online
 
     c = FLAGS.config
+    if FLAGS.verbosity <= 0:  # Orbax logs every file rename at INFO; keep the console to our progress lines
+        logging.set_verbosity(logging.WARNING)
     distributed.initialize()  # multi-host when GLM52_* or SLURM variables say so; else a no-op
     try:
         if FLAGS.mode == "forward":
             print(json.dumps(_forward(c)))
             return
         workdir = FLAGS.workdir or str(Path("runs") / f"{c.name}_{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
-        summary = run_transaction(c, workdir, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        summary = run_online(c, workdir, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     except ConfigError as e:
         raise SystemExit(f"config error: {e}") from None
-    print(json.dumps({k: summary[k] for k in ("receipt", "status", "candidates", "accepted")}))
+    except CheckpointMismatchError as e:
+        raise SystemExit(f"resume error: {e}") from None
+    print(json.dumps({"workdir": summary["workdir"], "status": summary["status"], "last_step": summary["last_step"],
+                      "steps_run": summary["steps_run"], "receipts": [s["receipt"] for s in summary["steps"]],
+                      "accepted": [s["accepted"] for s in summary["steps"]]}))
 
 
 if __name__ == "__main__":

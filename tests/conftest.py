@@ -8,3 +8,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# Subprocess tests (CLI runs) share one persistent compilation cache, so a second process running
+# the same programs (e.g. a resumed run) loads them instead of recompiling. Set after importing
+# jax: this process keeps its in-memory cache only.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache_dir = tempfile.mkdtemp(prefix="glm52_jax_test_xla_cache_")
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir

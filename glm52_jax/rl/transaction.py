@@ -15,6 +15,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -35,8 +36,20 @@ class Plan:
 
     checkpoint: Path | None  # None: seeded random init of `preset`
     model_cfg: Any  # ModelConfig
-    rows: list  # DapoRow per candidate
-    prompts: list[list[int]]  # exact-N token ids per candidate
+    rows: list  # DapoRow per candidate of the first transaction
+    prompts: list[list[int]]  # exact-N token ids per candidate of the first transaction
+    all_rows: list = dataclasses.field(default_factory=list)  # every row; later transactions read on
+
+    def candidate(self, c, cursor: int) -> tuple[Any, list[int]]:
+        """Row and exact-N prompt at data position `cursor` (wrapping around the rows)."""
+        from glm52_jax.rl.prompts import build_exact_prompt
+        from glm52_jax.rollout.tokenizer import Tokenizer
+
+        row = self.all_rows[cursor % len(self.all_rows)]
+        try:
+            return row, build_exact_prompt(Tokenizer.default(), row, c.data.prompt_tokens)
+        except ValueError as e:
+            raise ConfigError(f"data.prompt_tokens: row {row.index}: {e}") from None
 
 
 def _require(ok: bool, message: str) -> None:
@@ -64,6 +77,8 @@ def check_config(c) -> Plan:
     _require(m.dtype in ("float32", "bfloat16"), f"model.dtype must be float32 or bfloat16, got {m.dtype!r}")
     _require(t.learning_rate > 0, f"train.learning_rate must be > 0, got {t.learning_rate!r}")
     _require(s.chunk_size >= 1, f"sampling.chunk_size must be >= 1, got {s.chunk_size!r}")
+    _require(isinstance(t.steps, int) and t.steps >= 1,
+             f"train.steps (transactions in the run) must be a positive integer, got {t.steps!r}")
 
     if m.checkpoint == "random":
         presets = {"tiny": config_lib.tiny, "glm52": config_lib.glm52}
@@ -94,7 +109,7 @@ def check_config(c) -> Plan:
         rows.append(row)
     _require(max(max(p) for p in prompts) < model_cfg.vocab_size,
              f"the tokenizer's ids exceed the model's vocab_size {model_cfg.vocab_size}")
-    return Plan(checkpoint, model_cfg, rows, prompts)
+    return Plan(checkpoint, model_cfg, rows, prompts, all_rows)
 
 
 def _sha256(data: bytes) -> str:
@@ -126,21 +141,69 @@ def _npy(array) -> bytes:
     return buf.getvalue()
 
 
-def run_transaction(c, workdir: str | os.PathLike, *, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Runs one transaction and writes `workdir/evidence/receipt.json`; returns its summary."""
+STEP_DIR = "step_{:06d}"
+_STEP_RE = re.compile(r"step_(\d{6})")
+
+
+def resume_config_hash(c) -> str:
+    """Hash of the config minus `train.steps`: a finished run may be extended with more steps."""
+    from glm52_jax.evidence import config_hash
+
+    d = c.to_dict()
+    d["train"] = {k: v for k, v in d["train"].items() if k != "steps"}
+    return config_hash(d)
+
+
+def set_aside_uncommitted(evidence_dir: Path, committed: int, log: Callable[[str], None]) -> list[str]:
+    """Moves evidence of steps after the last checkpoint to `step_N.uncommitted-K` (never deletes).
+
+    A step's receipt is committed before its checkpoint; a process killed in between (or during
+    the step) leaves evidence for a step the state does not include. The step is rerun.
+    """
+    moved = []
+    if not evidence_dir.is_dir():
+        return moved
+    for d in sorted(evidence_dir.iterdir()):
+        match = _STEP_RE.fullmatch(d.name)
+        if match and int(match.group(1)) > committed:
+            k = 1
+            while (dest := d.with_name(f"{d.name}.uncommitted-{k}")).exists():
+                k += 1
+            d.rename(dest)
+            moved.append(dest.name)
+            log(f"evidence of uncommitted step {d.name} moved to {dest.name} (the step reruns)")
+    return moved
+
+
+def run_online(c, workdir: str | os.PathLike, *, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Runs (or resumes) `train.steps` transactions in `workdir`; returns a summary of the run.
+
+    Per step k: `evidence/step_00000k/receipt.json` (committed first), then Orbax checkpoint k
+    (LoRA, AdamW state, RNG, data cursor). A rerun with the same config resumes after the last
+    checkpoint; evidence of a step without a checkpoint is set aside and the step reruns, which
+    reproduces it (same state, same RNG).
+    """
     workdir = Path(workdir)
     plan = check_config(c)
-    from glm52_jax.evidence import EvidenceWriter, config_hash
+    from glm52_jax.checkpoint.train_state import RunCheckpoints, RunState
 
-    writer = EvidenceWriter(workdir / "evidence")  # refuses an existing receipt before any compute
-    workdir.mkdir(parents=True, exist_ok=True)
+    base_name = str(plan.checkpoint or f"random:{c.model.preset}")
+    expect = {"config_sha256": resume_config_hash(c), "base": base_name}
+    ckpts = RunCheckpoints(workdir / "checkpoints")
+    latest = ckpts.latest_step() or 0
+    if latest:
+        ckpts.check_meta(latest, expect)  # another run's checkpoints: refuse before building anything
+    if latest >= c.train.steps:
+        log(f"run in {workdir} is complete: step {latest} of train.steps={c.train.steps}; nothing to do")
+        return {"workdir": str(workdir), "steps_run": 0, "last_step": latest, "status": "complete", "steps": []}
+    set_aside_uncommitted(workdir / "evidence", latest, log)
     metrics_path = workdir / "metrics.jsonl"
-    traces: list[dict[str, Any]] = []
     t_start = time.perf_counter()
 
-    def event(kind: str, **fields):
+    def event(kind: str, traces: list | None = None, **fields):
         record = {"event": kind, "t": round(time.perf_counter() - t_start, 3), **fields}
-        traces.append(record)
+        if traces is not None:
+            traces.append(record)
         with open(metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -149,16 +212,11 @@ def run_transaction(c, workdir: str | os.PathLike, *, log: Callable[[str], None]
     from flax import nnx
 
     from glm52_jax.checkpoint.hf import load_pretrained
-    from glm52_jax.checkpoint.inventory import param_inventory
     from glm52_jax.model.lora import LoRAConfig, attach_lora
     from glm52_jax.model.options import ModelOptions
-    from glm52_jax.model.transformer import GlmMoeDsa, token_logprobs
-    from glm52_jax.rl import grpo
-    from glm52_jax.rl.gradients import LossSettings
-    from glm52_jax.rl.rewards.dapo import compute_score
-    from glm52_jax.rl.update import AdamWConfig, LoRAOptimizer, NonFiniteGradientError, grpo_update
-    from glm52_jax.rollout.sampler import Sampler, SamplingParams
-    from glm52_jax.rollout.tokenizer import Tokenizer
+    from glm52_jax.model.transformer import GlmMoeDsa
+    from glm52_jax.rl.update import AdamWConfig, LoRAOptimizer
+    from glm52_jax.rollout.sampler import Sampler
 
     m, s, t = c.model, c.sampling, c.train
     dtype = jnp.dtype(m.dtype)
@@ -168,21 +226,68 @@ def run_transaction(c, workdir: str | os.PathLike, *, log: Callable[[str], None]
         base = load_pretrained(plan.checkpoint, dtype=dtype)
     lora_cfg = LoRAConfig(rank=m.lora_rank, alpha=float(m.lora_alpha), families=frozenset(m.lora_families))
     model = attach_lora(base, lora_cfg, seed=c.seed)
-    cfg = model.cfg
-    event("loaded", checkpoint=str(plan.checkpoint or f"random:{m.preset}"))
-    inventory_before = param_inventory(model)
-    lora_before = _lora_bytes(model)
-
-    tok = Tokenizer.default()
-    stop_ids = tuple(int(i) for i in cfg.eos_token_id)
+    optimizer = LoRAOptimizer(model, AdamWConfig(learning_rate=float(t.learning_rate), weight_decay=float(t.weight_decay),
+                                                 max_grad_norm=t.max_grad_norm))
+    if latest:
+        state = ckpts.restore(latest, model, optimizer)
+        event("resumed", step=latest, cursor=state.cursor)
+        log(f"resumed from checkpoint step {latest} in {ckpts.directory}")
+    else:
+        state = RunState(step=0, rng=jax.random.key(c.seed), cursor=c.data.first_row, optimizer_steps=0, meta={})
+    event("loaded", checkpoint=base_name)
     sampler = Sampler(model, chunk_size=s.chunk_size, prefix_cache_bytes=int(s.prefix_cache_mib) << 20,
                       progress=lambda done, total, rate, eta: event("prefill", done=done, total=total,
                                                                      tokens_per_s=round(rate, 1)))
+    steps = []
+    for step in range(state.step + 1, t.steps + 1):
+        rng, step_key = jax.random.split(state.rng)
+        result = _transaction(c, plan, step, step_key, state.cursor, model, optimizer, sampler,
+                              workdir / "evidence" / STEP_DIR.format(step), event, log)
+        state = RunState(step=step, rng=rng, cursor=state.cursor + result["candidates"],
+                         optimizer_steps=optimizer.step, meta={**expect, "receipt": result["receipt"]})
+        ckpts.save(model, optimizer, state)
+        event("committed", step=step, checkpoint=str(ckpts.directory / str(step)))
+        steps.append(result)
+    ckpts.close()
+    return {"workdir": str(workdir), "steps_run": len(steps), "last_step": state.step,
+            "status": steps[-1]["status"], "steps": steps}
+
+
+def _transaction(c, plan: Plan, step: int, step_key, cursor: int, model, optimizer, sampler, evidence_dir: Path,
+                 event, log) -> dict[str, Any]:
+    """One transaction (search, sample, reward, update) with its receipt in `evidence_dir`."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from glm52_jax.checkpoint.inventory import param_inventory
+    from glm52_jax.evidence import EvidenceWriter, config_hash
+    from glm52_jax.model.transformer import token_logprobs
+    from glm52_jax.rl import grpo
+    from glm52_jax.rl.gradients import LossSettings
+    from glm52_jax.rl.rewards.dapo import compute_score
+    from glm52_jax.rl.update import NonFiniteGradientError, grpo_update
+    from glm52_jax.rollout.sampler import SamplingParams
+    from glm52_jax.rollout.tokenizer import Tokenizer
+
+    writer = EvidenceWriter(evidence_dir)  # refuses an existing receipt before any compute
+    traces: list[dict[str, Any]] = []
+    m, s, t = c.model, c.sampling, c.train
+    cfg = model.cfg
+    inventory_before = param_inventory(model)
+    lora_before = _lora_bytes(model)
+    tok = Tokenizer.default()
+    stop_ids = tuple(int(i) for i in cfg.eos_token_id)
+    # Per-candidate sampling seeds come from the run's RNG (saved in every checkpoint).
+    seeds = [int(x) for x in np.asarray(jax.random.randint(step_key, (c.search.max_candidates,), 0, 2**31 - 1))]
+    event("step_start", traces, step=step, cursor=cursor)
     candidates, accepted = [], None
-    for i, (row, prompt) in enumerate(zip(plan.rows, plan.prompts)):
+    for i in range(c.search.max_candidates):
+        # The first transaction's prompts were built (and checked) by check_config.
+        row, prompt = (plan.rows[i], plan.prompts[i]) if step == 1 else plan.candidate(c, cursor + i)
         params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=float(s.temperature),
                                 top_p=float(s.top_p), top_k=int(s.top_k), stop_token_ids=stop_ids,
-                                num_samples=s.num_samples, seed=c.seed * 1000 + i)
+                                num_samples=s.num_samples, seed=seeds[i])
         res = sampler.sample(prompt, params)
         # Special tokens (the stop token) are not part of the answer text the reward parses.
         texts = [tok.decode(res.completion(g), skip_special_tokens=True) for g in range(s.num_samples)]
@@ -190,12 +295,13 @@ def run_transaction(c, workdir: str | os.PathLike, *, log: Callable[[str], None]
         rewards = [float(sc["score"]) for sc in scores]
         cand = {"candidate": i, "row": row.index, "ground_truth": row.ground_truth, "rewards": rewards,
                 "preds": [sc["pred"] for sc in scores], "texts": texts, "lengths": res.lengths.tolist(),
-                "finish_reasons": res.finish_reasons, "prefix_hit_tokens": res.prefix_hit_tokens}
+                "finish_reasons": res.finish_reasons, "prefix_hit_tokens": res.prefix_hit_tokens, "seed": seeds[i]}
         candidates.append(cand)
         # Timings go to the traces only: the receipt's other sections must reproduce bit for bit.
-        event("candidate", candidate=i, row=row.index, rewards=rewards, prefix_hit_tokens=res.prefix_hit_tokens,
-              prefill_seconds=round(res.prefill_seconds, 3), decode_seconds=round(res.decode_seconds, 3))
-        log(f"candidate {i}: row {row.index} rewards {rewards} (prefix hit {res.prefix_hit_tokens} tokens)")
+        event("candidate", traces, step=step, candidate=i, row=row.index, rewards=rewards,
+              prefix_hit_tokens=res.prefix_hit_tokens, prefill_seconds=round(res.prefill_seconds, 3),
+              decode_seconds=round(res.decode_seconds, 3))
+        log(f"step {step} candidate {i}: row {row.index} rewards {rewards} (prefix hit {res.prefix_hit_tokens} tokens)")
         if len(set(rewards)) > 1:
             accepted = (i, row, prompt, res, rewards)
             break
@@ -217,12 +323,10 @@ def run_transaction(c, workdir: str | os.PathLike, *, log: Callable[[str], None]
         prefix = None
         if t.gradient_mode == "response_only":  # reuse the sampler's prompt KV: no second prefill
             prefix, _, _ = sampler.prefill(prompt, sampler.capacity_for(len(prompt), n))
-        optimizer = LoRAOptimizer(model, AdamWConfig(learning_rate=float(t.learning_rate),
-                                                     weight_decay=float(t.weight_decay),
-                                                     max_grad_norm=t.max_grad_norm))
         loss_settings = LossSettings(clip_ratio_low=float(t.clip_ratio_low), clip_ratio_high=float(t.clip_ratio_high),
                                      loss_agg_mode=t.loss_agg_mode)
-        event("update_start", mode=t.gradient_mode)
+        event("update_start", traces, step=step, mode=t.gradient_mode)
+        steps_before = optimizer.step
         try:
             upd = grpo_update(model, optimizer, np.asarray(prompt, np.int32), responses, mask, res.logprobs,
                               advantages, mode=t.gradient_mode, loss=loss_settings, prefix_cache=prefix)
@@ -230,13 +334,14 @@ def run_transaction(c, workdir: str | os.PathLike, *, log: Callable[[str], None]
             numerics = {"finite": False, "error": str(e)}
             training = {"status": "aborted_nonfinite", "optimizer_steps": 0, "mode": t.gradient_mode}
         else:
+            sampler.policy_updated()  # cached prompt KV and the sampler's weights are now stale
             graphdef, state = nnx.split(model)
             logp_fn = jax.jit(lambda st, ids: token_logprobs(nnx.merge(graphdef, st), ids))
             ids = np.concatenate([np.repeat(np.asarray(prompt, np.int32)[None], g, 0), responses], axis=1)
             new_logprobs = np.asarray(logp_fn(state, jnp.asarray(ids)))[:, len(prompt) - 1:] * mask
             loss = float(upd.loss)
-            training = {"status": "updated", "optimizer_steps": optimizer.step, "mode": t.gradient_mode,
-                        "loss": loss, "grad_norm": float(upd.grad_norm),
+            training = {"status": "updated", "optimizer_steps": optimizer.step - steps_before,
+                        "mode": t.gradient_mode, "loss": loss, "grad_norm": float(upd.grad_norm),
                         "metrics": {k: float(v) for k, v in upd.metrics.items()},
                         "grads_sha256": _sha256(_state_bytes(upd.grads)),
                         "advantages": advantages.tolist()}
@@ -244,8 +349,9 @@ def run_transaction(c, workdir: str | os.PathLike, *, log: Callable[[str], None]
             arrays = {"new_logprobs.npy": new_logprobs, "responses.npy": responses, "response_mask.npy": mask}
         arrays.update({"prompt_token_ids.npy": np.asarray(prompt, np.int32), "completion_tokens.npy": res.tokens,
                        "old_logprobs.npy": res.logprobs})
-        event("update_end", **{k: training[k] for k in ("status", "optimizer_steps")})
+        event("update_end", traces, step=step, **{k: training[k] for k in ("status", "optimizer_steps")})
     lora_after = _lora_bytes(model)
+    training["optimizer_steps_total"] = optimizer.step
     training["lora_sha256_before"] = _sha256(lora_before)
     training["lora_sha256_after"] = _sha256(lora_after)
 
@@ -253,7 +359,7 @@ def run_transaction(c, workdir: str | os.PathLike, *, log: Callable[[str], None]
         writer.add_array(name, array, kind="array")
     writer.add_json("sampling_params.json", {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
                                              "max_new_tokens": s.max_new_tokens, "num_samples": s.num_samples,
-                                             "stop_token_ids": list(stop_ids), "seed_base": c.seed * 1000},
+                                             "stop_token_ids": list(stop_ids), "seeds": seeds[:len(candidates)]},
                     kind="sampling")
     writer.add_json("rewards.json", candidates, kind="rewards")
     writer.add_json("inventory_before_sampling.json", inventory_before, kind="inventory")
@@ -263,18 +369,19 @@ def run_transaction(c, workdir: str | os.PathLike, *, log: Callable[[str], None]
     cleanup = {"prefix_cache_entries_dropped": len(sampler.prefix_cache), "prefix_cache_cleared": True}
     sampler.prefix_cache.clear()
     writer.add_json("cleanup.json", cleanup, kind="cleanup")
-    event("done", status=training["status"])
+    event("step_done", traces, step=step, status=training["status"])
     writer.add_bytes("traces/rank0.jsonl", "".join(json.dumps(r) + "\n" for r in traces).encode(), kind="trace")
 
     devices = jax.devices()
     fields = {
+        "transaction": {"step": step, "data_cursor": cursor},
         "prompt": {"tokens": c.data.prompt_tokens, "filler": "deterministic, shared across rows"},
         "model": {"checkpoint": str(plan.checkpoint or f"random:{m.preset}"), "dtype": m.dtype,
                   "layers": cfg.num_hidden_layers, "full_indexer_layers": cfg.indexer_types.count("full"),
                   "lora": {"rank": m.lora_rank, "alpha": m.lora_alpha, "families": sorted(m.lora_families)}},
         "positions": {"rope_type": cfg.rope.rope_type, "max_position_embeddings": cfg.max_position_embeddings},
         "topology": {"platform": devices[0].platform, "devices": len(devices), "processes": jax.process_count()},
-        "config": {"name": c.name, "sha256": config_hash(c.to_dict())},
+        "config": {"name": c.name, "sha256": config_hash(c.to_dict()), "resume_sha256": resume_config_hash(c)},
         "candidate_search": {"max_candidates": c.search.max_candidates, "tried": len(candidates),
                              "accepted": None if accepted is None else accepted[0]},
         "completions": [{"candidate": cd["candidate"], "texts": cd["texts"], "lengths": cd["lengths"],
@@ -287,6 +394,6 @@ def run_transaction(c, workdir: str | os.PathLike, *, log: Callable[[str], None]
         "nondeterministic": ["traces", "artifacts/traces/rank0.jsonl"],
     }
     receipt = writer.commit(fields)
-    log(f"receipt: {receipt}")
-    return {"receipt": str(receipt), "status": training["status"], "candidates": len(candidates),
+    log(f"step {step} receipt: {receipt}")
+    return {"step": step, "receipt": str(receipt), "status": training["status"], "candidates": len(candidates),
             "accepted": fields["candidate_search"]["accepted"], "training": training}

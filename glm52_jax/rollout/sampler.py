@@ -159,6 +159,12 @@ class Sampler:
                                compiler_options=CACHE_COMPILER_OPTIONS)
 
     # -- public ----------------------------------------------------------------------------------
+    def policy_updated(self) -> None:
+        """Call after the model's weights changed (an optimizer step): takes the new weights and
+        drops the prefix cache, whose KV was computed with the old ones."""
+        self.graphdef, self.state = nnx.split(self.model)
+        self.prefix_cache.clear()
+
     def capacity_for(self, prompt_len: int, max_new_tokens: int) -> int:
         need = prompt_len + max_new_tokens
         cap = -(-need // self.capacity_multiple) * self.capacity_multiple

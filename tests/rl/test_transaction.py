@@ -3,13 +3,14 @@
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from glm52_jax.evidence import deterministic_view, verify
-from glm52_jax.rl.transaction import EMBEDDED_POLICY, ConfigError, check_config, run_transaction
+from glm52_jax.rl.transaction import EMBEDDED_POLICY, ConfigError, check_config, run_online
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,58 +34,111 @@ def _config(**overrides):
 OVERRIDES = {"sampling.max_new_tokens": 24, "sampling.chunk_size": 256}
 
 
+def _cli(workdir, *overrides):
+    return [sys.executable, "-m", "glm52_jax.launch", f"--config={ROOT / 'configs' / 'tiny.py'}",
+            f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in {**OVERRIDES, **dict(overrides)}.items()]
+
+
+def _kill_when(proc, metrics: Path, event: dict, timeout: float = 900):
+    """SIGKILLs `proc` as soon as `metrics` (JSONL) holds a record containing `event`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"process exited ({proc.returncode}) before {event}: {proc.stderr.read()[-3000:]}")
+        if metrics.exists():
+            for line in metrics.read_text().splitlines():
+                record = json.loads(line)
+                if all(record.get(k) == v for k, v in event.items()):
+                    proc.kill()
+                    proc.wait()
+                    return
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"no {event} within {timeout} s")
+
+
 @pytest.fixture(scope="module")
-def two_runs(tmp_path_factory):
-    """The embedded policy's transaction twice with one config: in this process, then via the CLI."""
+def runs(tmp_path_factory):
+    """Two transactions of the embedded policy, twice: in this process without interruption, and via
+    the CLI killed during step 2's update and then resumed by rerunning the same command."""
     first = tmp_path_factory.mktemp("run_inproc")
-    summary = run_transaction(_config(), first, log=lambda msg: None)
+    summary = run_online(_config(**{"train.steps": 2}), first, log=lambda msg: None)
     second = tmp_path_factory.mktemp("run_cli") / "w"
-    cli = subprocess.run([sys.executable, "-m", "glm52_jax.launch", f"--config={ROOT / 'configs' / 'tiny.py'}",
-                          f"--workdir={second}"] + [f"--config.{k}={v}" for k, v in OVERRIDES.items()],
-                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+    proc = subprocess.Popen(_cli(second, ("train.steps", 2)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT)
+    _kill_when(proc, second / "metrics.jsonl", {"event": "update_start", "step": 2})
+    killed = {"checkpoints": sorted(p.name for p in (second / "checkpoints").iterdir()),
+              "evidence": sorted(p.name for p in (second / "evidence").iterdir()),
+              "step2_receipt": (second / "evidence" / "step_000002" / "receipt.json").exists()}
+    cli = subprocess.run(_cli(second, ("train.steps", 2)), capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert cli.returncode == 0, cli.stderr[-3000:]
     cli_summary = json.loads(cli.stdout.strip().splitlines()[-1])
-    assert cli_summary["receipt"] == str(second / "evidence" / "receipt.json")
-    return [(first, summary), (second, cli_summary)]
+    return {"inproc": (first, summary), "cli": (second, cli_summary), "killed": killed, "cli_stderr": cli.stderr}
 
 
-def test_transaction_updates_and_receipt_verifies(two_runs):
-    workdir, summary = two_runs[0]
-    assert summary["status"] == "updated", summary
-    receipt_path = workdir / "evidence" / "receipt.json"
-    assert verify(receipt_path) == []
-    receipt = json.loads(receipt_path.read_text())
-    training = receipt["training"]
-    assert training["optimizer_steps"] == 1
-    assert training["lora_sha256_before"] != training["lora_sha256_after"]  # the step changed the adapters
-    accepted = receipt["candidate_search"]["accepted"]
-    assert len(set(receipt["rewards"][accepted])) > 1  # a mixed-reward group, as the search requires
-    assert all(len(set(r)) == 1 for r in receipt["rewards"][:accepted])  # earlier ones were all-equal
-    assert np.isfinite(training["loss"]) and receipt["numerics"]["finite"]
-    assert len(training["grads_sha256"]) == 64
-    # Sampling left every parameter byte as it was.
-    art = workdir / "evidence" / "artifacts"
-    assert json.loads((art / "inventory_before_sampling.json").read_text()) == \
-        json.loads((art / "inventory_after_sampling.json").read_text())
-    old = np.load(art / "old_logprobs.npy")
-    new = np.load(art / "new_logprobs.npy")
-    mask = np.load(art / "response_mask.npy")
-    assert old.shape == new.shape == mask.shape and mask.sum() > 0
-    assert np.all(new[mask == 0] == 0) and np.any(np.abs(new - old)[mask > 0] > 1e-6)  # the policy moved
+def _receipt(workdir, step):
+    return workdir / "evidence" / f"step_{step:06d}" / "receipt.json"
 
 
-def test_same_config_and_seed_reproduce(two_runs):
-    """Tokens, rewards, loss, gradient and LoRA hashes: equal across two processes."""
-    (a, _), (b, _) = two_runs
-    view_a = deterministic_view(a / "evidence" / "receipt.json")
-    view_b = deterministic_view(b / "evidence" / "receipt.json")
-    assert view_a == view_b
+def test_transactions_update_and_receipts_verify(runs):
+    workdir, summary = runs["inproc"]
+    assert summary["status"] == "updated" and summary["steps_run"] == 2 and summary["last_step"] == 2, summary
+    lora_hashes = []
+    for step in (1, 2):
+        receipt_path = _receipt(workdir, step)
+        assert verify(receipt_path) == []
+        receipt = json.loads(receipt_path.read_text())
+        assert receipt["transaction"]["step"] == step
+        training = receipt["training"]
+        assert training["optimizer_steps"] == 1 and training["optimizer_steps_total"] == step
+        assert training["lora_sha256_before"] != training["lora_sha256_after"]  # the step changed the adapters
+        lora_hashes.append((training["lora_sha256_before"], training["lora_sha256_after"]))
+        accepted = receipt["candidate_search"]["accepted"]
+        assert len(set(receipt["rewards"][accepted])) > 1  # a mixed-reward group, as the search requires
+        assert all(len(set(r)) == 1 for r in receipt["rewards"][:accepted])  # earlier ones were all-equal
+        assert np.isfinite(training["loss"]) and receipt["numerics"]["finite"]
+        assert len(training["grads_sha256"]) == 64
+        # Sampling left every parameter byte as it was.
+        art = receipt_path.parent / "artifacts"
+        assert json.loads((art / "inventory_before_sampling.json").read_text()) == \
+            json.loads((art / "inventory_after_sampling.json").read_text())
+        old = np.load(art / "old_logprobs.npy")
+        new = np.load(art / "new_logprobs.npy")
+        mask = np.load(art / "response_mask.npy")
+        assert old.shape == new.shape == mask.shape and mask.sum() > 0
+        assert np.all(new[mask == 0] == 0) and np.any(np.abs(new - old)[mask > 0] > 1e-6)  # the policy moved
+    assert lora_hashes[1][0] == lora_hashes[0][1]  # step 2 starts from step 1's adapters
+    # Step 2 reads on in the data: its first row follows the rows step 1 tried.
+    r1, r2 = (json.loads(_receipt(workdir, s).read_text()) for s in (1, 2))
+    assert r2["transaction"]["data_cursor"] == r1["transaction"]["data_cursor"] + r1["candidate_search"]["tried"]
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["1", "2"]
 
 
-def test_any_changed_byte_fails_verify_naming_the_artifact(two_runs, tmp_path):
+def test_kill_during_update_leaves_last_checkpoint_and_no_receipt(runs):
+    killed = runs["killed"]
+    assert killed["checkpoints"] == ["1"], killed  # step 2 never committed
+    assert not killed["step2_receipt"]
+    assert verify(_receipt(runs["cli"][0], 1)) == []
+
+
+def test_resumed_run_continues_identically(runs):
+    """Step 1 from the killed process and step 2 from the resumed one equal an uninterrupted run:
+    tokens, rewards, loss, gradient and LoRA hashes (the deterministic view)."""
+    (a, _), (b, cli_summary) = runs["inproc"], runs["cli"]
+    assert cli_summary["steps_run"] == 1 and cli_summary["last_step"] == 2, cli_summary
+    assert "resumed from checkpoint step 1" in runs["cli_stderr"]
+    for step in (1, 2):
+        assert verify(_receipt(b, step)) == []
+        assert deterministic_view(_receipt(a, step)) == deterministic_view(_receipt(b, step)), step
+    # The killed step's partial evidence was set aside, not deleted or overwritten.
+    aside = b / "evidence" / "step_000002.uncommitted-1"
+    assert aside.is_dir() and not (aside / "receipt.json").exists()
+
+
+def test_any_changed_byte_fails_verify_naming_the_artifact(runs, tmp_path):
     import shutil
 
-    src = two_runs[0][0] / "evidence"
+    src = _receipt(runs["inproc"][0], 1).parent
     receipt = json.loads((src / "receipt.json").read_text())
     for entry in receipt["manifest"]:
         run = tmp_path / entry["path"].replace("/", "_")
@@ -97,12 +151,22 @@ def test_any_changed_byte_fails_verify_naming_the_artifact(two_runs, tmp_path):
         assert failures and any(entry["path"] in f for f in failures), (entry["path"], failures)
 
 
-def test_existing_receipt_is_never_overwritten(two_runs):
-    workdir, _ = two_runs[0]
-    before = (workdir / "evidence" / "receipt.json").read_bytes()
-    with pytest.raises(Exception, match="receipt"):
-        run_transaction(_config(), workdir, log=lambda msg: None)
-    assert (workdir / "evidence" / "receipt.json").read_bytes() == before
+def test_finished_run_is_left_as_it_is(runs):
+    workdir, _ = runs["inproc"]
+    before = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
+    summary = run_online(_config(**{"train.steps": 2}), workdir, log=lambda msg: None)
+    assert summary["status"] == "complete" and summary["steps_run"] == 0
+    assert {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()} == before
+
+
+def test_resume_refuses_another_runs_checkpoints(runs):
+    """A different config (here the learning rate) must not continue from these checkpoints."""
+    from glm52_jax.checkpoint.train_state import CheckpointMismatchError
+
+    workdir, _ = runs["inproc"]
+    with pytest.raises(CheckpointMismatchError, match="another run"):
+        run_online(_config(**{"train.steps": 3, "train.learning_rate": 0.5}), workdir, log=lambda msg: None)
+    assert not _receipt(workdir, 3).parent.exists()
 
 
 @pytest.mark.parametrize("key,value,match", [
@@ -113,6 +177,7 @@ def test_existing_receipt_is_never_overwritten(two_runs):
     ("model.checkpoint", "/nonexistent/ckpt", "no config.json"),
     ("data.prompt_tokens", 65536, "position capacity"),
     ("data.prompt_tokens", 20, "prompt_tokens"),
+    ("train.steps", 0, "train.steps"),
 ])
 def test_bad_config_fails_before_any_model_work(key, value, match):
     with pytest.raises(ConfigError, match=match):
@@ -131,8 +196,8 @@ def test_cli_reports_config_errors_before_writing(tmp_path):
     assert not (tmp_path / "bad").exists()  # nothing written
 
 
-def test_cli_receipt_verifies_with_the_evidence_cli(two_runs):
-    receipt = two_runs[1][1]["receipt"]
+def test_cli_receipt_verifies_with_the_evidence_cli(runs):
+    receipt = runs["cli"][1]["receipts"][-1]
     check = subprocess.run([sys.executable, "-m", "glm52_jax.evidence", "verify", receipt],
                            capture_output=True, text=True, timeout=120)
     assert check.returncode == 0 and check.stdout.startswith("OK"), check.stdout + check.stderr

@@ -1,0 +1,128 @@
+"""Orbax checkpoints of an online GRPO run: LoRA adapters, AdamW state, step, RNG and data cursor.
+
+Only what training changes is saved: the base model is read-only (a checkpoint directory or the
+embedded policy) and is named in `meta`, not copied. Layout (an Orbax `CheckpointManager`):
+
+    WORKDIR/checkpoints/<step>/lora        LoRA arrays (pure dict of the `LoRA` variables)
+                              /optimizer   optax state (same tree as `LoRAOptimizer.opt_state`)
+                              /rng         the run's PRNG key (typed key, saved as key data)
+                              /meta        JSON: step, data cursor, optimizer steps, config hash, ...
+
+Orbax writes a step into a temporary directory and renames it when complete, so a process killed
+mid-save leaves the previous step as the latest one (`latest_step` never returns a partial step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from glm52_jax.model.lora import LoRA
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint that does not belong to this run (other config, other adapter shapes)."""
+
+
+@dataclasses.dataclass
+class RunState:
+    """What a resumed run needs besides the model: `step` = transactions completed."""
+
+    step: int
+    rng: jax.Array  # typed PRNG key
+    cursor: int  # next data row (before the modulo over the rows)
+    optimizer_steps: int
+    meta: dict[str, Any]
+
+
+def _pure_lora(model: nnx.Module) -> dict:
+    return nnx.to_pure_dict(nnx.state(model, LoRA))
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+                        tree)
+
+
+class RunCheckpoints:
+    """Save / restore `RunState` + adapters + optimizer under `directory` (one Orbax step per transaction)."""
+
+    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3):
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+                                               enable_async_checkpointing=False)
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest_step(self) -> int | None:
+        """The newest complete step, or None when the run has not committed one."""
+        self._manager.reload()
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
+
+    def save(self, model: nnx.Module, optimizer, state: RunState) -> None:
+        """Writes step `state.step` (synchronously; complete or absent, never partial)."""
+        meta = {**state.meta, "step": state.step, "cursor": state.cursor, "optimizer_steps": state.optimizer_steps}
+        args = ocp.args.Composite(
+            lora=ocp.args.StandardSave(_pure_lora(model)),
+            optimizer=ocp.args.StandardSave(optimizer.opt_state),
+            rng=ocp.args.JaxRandomKeySave(state.rng),
+            meta=ocp.args.JsonSave(meta),
+        )
+        if not self._manager.save(state.step, args=args, force=True):
+            raise RuntimeError(f"orbax did not save step {state.step} under {self.directory}")
+        self._manager.wait_until_finished()
+
+    def check_meta(self, step: int, expect: dict[str, Any]) -> dict[str, Any]:
+        """Step `step`'s meta, after checking it shares `expect` (config hash, base model, ...).
+
+        A mismatch raises `CheckpointMismatchError`: the directory holds another run's state.
+        """
+        meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        wrong = {k: (meta.get(k), v) for k, v in expect.items() if meta.get(k) != v}
+        if wrong:
+            details = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in sorted(wrong.items()))
+            raise CheckpointMismatchError(f"checkpoint step {step} in {self.directory} belongs to another run "
+                                          f"({details}); use a fresh workdir")
+        return meta
+
+    def restore(self, step: int, model: nnx.Module, optimizer) -> RunState:
+        """Loads step `step` into `model`'s adapters and `optimizer`; returns the run state.
+
+        The adapters' and optimizer's current trees give the expected shapes and dtypes, so a
+        checkpoint of other adapters fails in Orbax before anything is replaced.
+        """
+        restored = self._manager.restore(step, args=ocp.args.Composite(
+            lora=ocp.args.StandardRestore(_abstract(_pure_lora(model))),
+            optimizer=ocp.args.StandardRestore(_abstract(optimizer.opt_state)),
+            rng=ocp.args.JaxRandomKeyRestore(),
+            meta=ocp.args.JsonRestore(),
+        ))
+        meta = restored["meta"]
+        lora_state = nnx.state(model, LoRA)
+        nnx.replace_by_pure_dict(lora_state, restored["lora"])
+        nnx.update(model, lora_state)
+        optimizer.opt_state = restored["optimizer"]
+        optimizer.step = int(meta["optimizer_steps"])
+        return RunState(step=int(meta["step"]), rng=restored["rng"], cursor=int(meta["cursor"]),
+                        optimizer_steps=int(meta["optimizer_steps"]), meta=meta)
+
+    def close(self) -> None:
+        self._manager.close()
+
+
+def lora_digest(model: nnx.Module) -> dict[str, str]:
+    """Per-array sha256 of the adapters (to compare a restored model with the saved one)."""
+    import hashlib
+
+    return {"/".join(map(str, k)): hashlib.sha256(np.ascontiguousarray(jax.device_get(v.get_value())).tobytes())
+            .hexdigest() for k, v in nnx.to_flat_state(nnx.state(model, LoRA))}
