@@ -1,16 +1,19 @@
-"""Entry point: one online GRPO transaction from an ml_collections config (absl flags).
+"""Entry point: online GRPO transactions from an ml_collections config (absl flags).
 
     python -m glm52_jax.launch                                   # configs/tiny.py, laptop CPU
     python -m glm52_jax.launch --config=configs/tiny.py --workdir=/tmp/run \\
         --config.sampling.num_samples=4 --config.train.gradient_mode=shared_prefix
+    python -m glm52_jax.launch --mode=export --workdir=/tmp/run     # PEFT adapter + merged HF model
     python -m glm52_jax.launch --mode=forward --config.model.checkpoint=/ckpt/GLM-5.2   # smoke forward
 
 `--mode=train` runs `train.steps` transactions (rl/transaction.py); step k writes
 `WORKDIR/evidence/step_00000k/receipt.json` (check it with `python -m glm52_jax.evidence verify ...`),
 then an Orbax checkpoint `WORKDIR/checkpoints/k` (LoRA, AdamW state, RNG, data cursor); events go
 to `WORKDIR/metrics.jsonl`. Rerunning the command on the same workdir resumes after the last
-checkpoint (a larger `--config.train.steps` extends a finished run). `--mode=forward` runs one forward of the configured model and prints
-its mean token log-prob.
+checkpoint (a larger `--config.train.steps` extends a finished run). `--mode=export` writes the
+run's latest checkpoint as a PEFT adapter and a merged HF checkpoint (rl/export.py; give the run's
+config flags). `--mode=forward` runs one forward of the configured model and prints its mean token
+log-prob.
 """
 
 from __future__ import annotations
@@ -27,7 +30,11 @@ ROOT = Path(__file__).resolve().parents[1]
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", str(ROOT / "configs" / "tiny.py"), "ml_collections config file")
 flags.DEFINE_string("workdir", None, "run directory (default: runs/<config.name>_<UTC time>)")
-flags.DEFINE_enum("mode", "train", ["train", "forward"], "train: one GRPO transaction; forward: smoke forward")
+flags.DEFINE_enum("mode", "train", ["train", "export", "forward"],
+                  "train: run/resume train.steps GRPO transactions; export: PEFT adapter + merged model from the "
+                  "run's latest checkpoint; forward: smoke forward")
+flags.DEFINE_string("export_dir", None, "export mode: output directory (default WORKDIR/export/step_<k>)")
+flags.DEFINE_integer("export_step", None, "export mode: checkpoint step (default: the latest)")
 flags.DEFINE_integer("seq_len", 256, "forward mode: tokens per sequence", lower_bound=2)
 
 
@@ -72,6 +79,14 @@ def main(argv):
     try:
         if FLAGS.mode == "forward":
             print(json.dumps(_forward(c)))
+            return
+        if FLAGS.mode == "export":
+            from glm52_jax.rl.export import export_run
+
+            if not FLAGS.workdir:
+                raise ConfigError("--mode=export needs --workdir (the run to export)")
+            record = export_run(c, FLAGS.workdir, export_dir=FLAGS.export_dir, step=FLAGS.export_step)
+            print(json.dumps({k: record[k] for k in ("export_dir", "step", "base")}))
             return
         workdir = FLAGS.workdir or str(Path("runs") / f"{c.name}_{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
         summary = run_online(c, workdir, log=lambda msg: print(msg, file=sys.stderr, flush=True))

@@ -175,6 +175,34 @@ def set_aside_uncommitted(evidence_dir: Path, committed: int, log: Callable[[str
     return moved
 
 
+def build_policy(c, plan: Plan):
+    """The base model (checkpoint or seeded init) with fresh LoRA adapters, and its AdamW state."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from glm52_jax.checkpoint.hf import load_pretrained
+    from glm52_jax.model.lora import LoRAConfig, attach_lora
+    from glm52_jax.model.options import ModelOptions
+    from glm52_jax.model.transformer import GlmMoeDsa
+    from glm52_jax.rl.update import AdamWConfig, LoRAOptimizer
+
+    m, t = c.model, c.train
+    dtype = jnp.dtype(m.dtype)
+    if plan.checkpoint is None:
+        base = GlmMoeDsa(plan.model_cfg, ModelOptions(param_dtype=dtype), rngs=nnx.Rngs(c.seed))
+    else:
+        base = load_pretrained(plan.checkpoint, dtype=dtype)
+    lora_cfg = LoRAConfig(rank=m.lora_rank, alpha=float(m.lora_alpha), families=frozenset(m.lora_families))
+    model = attach_lora(base, lora_cfg, seed=c.seed)
+    optimizer = LoRAOptimizer(model, AdamWConfig(learning_rate=float(t.learning_rate), weight_decay=float(t.weight_decay),
+                                                 max_grad_norm=t.max_grad_norm))
+    return model, optimizer
+
+
+def base_name(plan: Plan, c) -> str:
+    return str(plan.checkpoint or f"random:{c.model.preset}")
+
+
 def run_online(c, workdir: str | os.PathLike, *, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Runs (or resumes) `train.steps` transactions in `workdir`; returns a summary of the run.
 
@@ -187,8 +215,7 @@ def run_online(c, workdir: str | os.PathLike, *, log: Callable[[str], None] = pr
     plan = check_config(c)
     from glm52_jax.checkpoint.train_state import RunCheckpoints, RunState
 
-    base_name = str(plan.checkpoint or f"random:{c.model.preset}")
-    expect = {"config_sha256": resume_config_hash(c), "base": base_name}
+    expect = {"config_sha256": resume_config_hash(c), "base": base_name(plan, c)}
     ckpts = RunCheckpoints(workdir / "checkpoints")
     latest = ckpts.latest_step() or 0
     if latest:
@@ -208,33 +235,18 @@ def run_online(c, workdir: str | os.PathLike, *, log: Callable[[str], None] = pr
             f.write(json.dumps(record) + "\n")
 
     import jax
-    import jax.numpy as jnp
-    from flax import nnx
 
-    from glm52_jax.checkpoint.hf import load_pretrained
-    from glm52_jax.model.lora import LoRAConfig, attach_lora
-    from glm52_jax.model.options import ModelOptions
-    from glm52_jax.model.transformer import GlmMoeDsa
-    from glm52_jax.rl.update import AdamWConfig, LoRAOptimizer
     from glm52_jax.rollout.sampler import Sampler
 
-    m, s, t = c.model, c.sampling, c.train
-    dtype = jnp.dtype(m.dtype)
-    if plan.checkpoint is None:
-        base = GlmMoeDsa(plan.model_cfg, ModelOptions(param_dtype=dtype), rngs=nnx.Rngs(c.seed))
-    else:
-        base = load_pretrained(plan.checkpoint, dtype=dtype)
-    lora_cfg = LoRAConfig(rank=m.lora_rank, alpha=float(m.lora_alpha), families=frozenset(m.lora_families))
-    model = attach_lora(base, lora_cfg, seed=c.seed)
-    optimizer = LoRAOptimizer(model, AdamWConfig(learning_rate=float(t.learning_rate), weight_decay=float(t.weight_decay),
-                                                 max_grad_norm=t.max_grad_norm))
+    s, t = c.sampling, c.train
+    model, optimizer = build_policy(c, plan)
     if latest:
         state = ckpts.restore(latest, model, optimizer)
         event("resumed", step=latest, cursor=state.cursor)
         log(f"resumed from checkpoint step {latest} in {ckpts.directory}")
     else:
         state = RunState(step=0, rng=jax.random.key(c.seed), cursor=c.data.first_row, optimizer_steps=0, meta={})
-    event("loaded", checkpoint=base_name)
+    event("loaded", checkpoint=base_name(plan, c))
     sampler = Sampler(model, chunk_size=s.chunk_size, prefix_cache_bytes=int(s.prefix_cache_mib) << 20,
                       progress=lambda done, total, rate, eta: event("prefill", done=done, total=total,
                                                                      tokens_per_s=round(rate, 1)))

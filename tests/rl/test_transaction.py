@@ -201,3 +201,48 @@ def test_cli_receipt_verifies_with_the_evidence_cli(runs):
     check = subprocess.run([sys.executable, "-m", "glm52_jax.evidence", "verify", receipt],
                            capture_output=True, text=True, timeout=120)
     assert check.returncode == 0 and check.stdout.startswith("OK"), check.stdout + check.stderr
+
+
+def test_export_of_the_latest_checkpoint(runs, tmp_path):
+    """PEFT adapter and merged model from checkpoint 2: the merged HF checkpoint reproduces the
+    LoRA policy's log-probs, and the adapter holds the checkpoint's LoRA arrays."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from safetensors.numpy import load_file
+
+    from glm52_jax.checkpoint.hf import load_pretrained
+    from glm52_jax.checkpoint.train_state import RunCheckpoints
+    from glm52_jax.model.transformer import token_logprobs
+    from glm52_jax.rl.export import export_run
+    from glm52_jax.rl.transaction import build_policy
+
+    workdir, _ = runs["inproc"]
+    c = _config(**{"train.steps": 2})
+    record = export_run(c, workdir, export_dir=tmp_path / "exp")
+    assert record["step"] == 2
+    out = tmp_path / "exp"
+    manifest = json.loads((out / "export.json").read_text())
+    assert {f["path"] for f in manifest["files"]} >= {"peft/adapter_model.safetensors", "peft/adapter_config.json",
+                                                       "merged/config.json"}
+    adapter_cfg = json.loads((out / "peft" / "adapter_config.json").read_text())
+    assert adapter_cfg["r"] == c.model.lora_rank and adapter_cfg["lora_alpha"] == c.model.lora_alpha
+    lora_tensors = load_file(out / "peft" / "adapter_model.safetensors")
+    assert lora_tensors and any(np.abs(v).max() > 0 for k, v in lora_tensors.items() if "lora_B" in k)
+
+    policy, optimizer = build_policy(c, check_config(c))
+    ckpts = RunCheckpoints(workdir / "checkpoints")
+    ckpts.restore(2, policy, optimizer)
+    ckpts.close()
+    merged = load_pretrained(out / "merged", dtype=jnp.float32)
+    ids = jnp.asarray(np.random.default_rng(0).integers(7, policy.cfg.vocab_size, (1, 48)), jnp.int32)
+    want = np.asarray(jax.jit(lambda st: token_logprobs(nnx.merge(nnx.graphdef(policy), st), ids))(nnx.state(policy)))
+    got = np.asarray(jax.jit(lambda st: token_logprobs(nnx.merge(nnx.graphdef(merged), st), ids))(nnx.state(merged)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)
+
+
+def test_export_refuses_a_directory_without_a_run(tmp_path):
+    from glm52_jax.rl.export import export_run
+
+    with pytest.raises(ConfigError, match="no checkpoints"):
+        export_run(_config(), tmp_path)
