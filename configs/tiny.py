@@ -11,11 +11,14 @@ def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.name = "online_grpo_tiny"
     c.seed = 0
+    c.mesh = ""  # "" = one device; e.g. "context=4,expert=2" or "folded=8" (parallel/mesh.py)
 
     c.model = ml_collections.ConfigDict()
     c.model.checkpoint = "embedded"  # the shipped tiny policy; a directory path; or "random" (seeded init)
     c.model.preset = "tiny"  # architecture for "random"
     c.model.dtype = "float32"
+    c.model.rope_scaling_json = ""  # a YaRN payload file; "" = $GLM52_ROPE_SCALING_JSON if set, else native
+    c.model.tokenizer = ""  # tokenizer.json (or its dir); "" = the checkpoint's, else the project's tiny one
     c.model.lora_rank = 8
     c.model.lora_alpha = 16.0
     c.model.lora_families = ("attention", "routed_experts", "shared_expert", "dense_mlp", "unembed")
@@ -47,4 +50,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.clip_ratio_low = 0.2
     c.train.clip_ratio_high = 0.28
     c.train.loss_agg_mode = "token-mean"
+
+    c.plan = ml_collections.ConfigDict()
+    c.plan.hbm_gib = 96.0  # --mode=plan: per-device memory budget the compiled programs must fit
     return c

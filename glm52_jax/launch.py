@@ -47,14 +47,14 @@ def _forward(c) -> dict:
     from glm52_jax.checkpoint.hf import load_pretrained
     from glm52_jax.model.options import ModelOptions
     from glm52_jax.model.transformer import GlmMoeDsa, token_logprobs
-    from glm52_jax.rl.transaction import check_config
+    from glm52_jax.rl.transaction import check_config, rope_scaling
 
     plan = check_config(c)
     dtype = jnp.dtype(c.model.dtype)
     if plan.checkpoint is None:
         model = GlmMoeDsa(plan.model_cfg, ModelOptions(param_dtype=dtype), rngs=nnx.Rngs(c.seed))
     else:
-        model = load_pretrained(plan.checkpoint, dtype=dtype)
+        model = load_pretrained(plan.checkpoint, dtype=dtype, rope_scaling=rope_scaling(c)[0])
     ids = np.random.default_rng(c.seed).integers(0, model.cfg.vocab_size, (1, FLAGS.seq_len))
     graphdef, state = nnx.split(model)
     start = time.perf_counter()

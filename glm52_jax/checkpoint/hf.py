@@ -285,16 +285,17 @@ def _per_layer_reader(cfg: ModelConfig, ckpt: _Checkpoint, fused: bool, kind, re
 
 
 def load_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, shardings=None,
-                    options: ModelOptions | None = None) -> GlmMoeDsa:
+                    options: ModelOptions | None = None, *, rope_scaling=None) -> GlmMoeDsa:
     """Loads an HF GLM-MoE-DSA checkpoint directory into a `GlmMoeDsa`.
 
     dtype: parameter dtype (router, correction bias and indexer `weights_proj` stay float32).
     shardings: None (default device) or a `jax.sharding.Mesh`; with a mesh each parameter is
       sharded by its logical axis names (`parallel.rules`) and every device reads only its slice.
-    `$GLM52_ROPE_SCALING_JSON`, when set, applies a position-extension payload to the config.
+    rope_scaling: a `positions.RopeScaling` to apply; by default `$GLM52_ROPE_SCALING_JSON`'s, when set.
     """
     path = os.fspath(path)
-    cfg = ModelConfig.from_json_file(os.path.join(path, "config.json")).with_env_rope_scaling()
+    cfg = ModelConfig.from_json_file(os.path.join(path, "config.json"))
+    cfg = cfg.with_env_rope_scaling() if rope_scaling is None else cfg.with_rope_scaling(rope_scaling)
     # HF checkpoints hold no adapters: load the base, then attach fresh LoRA if the options ask for it.
     opts = dataclasses.replace(options or ModelOptions(), param_dtype=dtype, lora=None)
     ckpt = _Checkpoint(path)

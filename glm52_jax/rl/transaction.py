@@ -39,15 +39,15 @@ class Plan:
     rows: list  # DapoRow per candidate of the first transaction
     prompts: list[list[int]]  # exact-N token ids per candidate of the first transaction
     all_rows: list = dataclasses.field(default_factory=list)  # every row; later transactions read on
+    tokenizer: Any = None  # rollout.tokenizer.Tokenizer used for prompts and completions
 
     def candidate(self, c, cursor: int) -> tuple[Any, list[int]]:
         """Row and exact-N prompt at data position `cursor` (wrapping around the rows)."""
         from glm52_jax.rl.prompts import build_exact_prompt
-        from glm52_jax.rollout.tokenizer import Tokenizer
 
         row = self.all_rows[cursor % len(self.all_rows)]
         try:
-            return row, build_exact_prompt(Tokenizer.default(), row, c.data.prompt_tokens)
+            return row, build_exact_prompt(self.tokenizer, row, c.data.prompt_tokens)
         except ValueError as e:
             raise ConfigError(f"data.prompt_tokens: row {row.index}: {e}") from None
 
@@ -57,13 +57,63 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def rope_scaling(c):
+    """The position-extension payload to apply: (RopeScaling | None, where it came from).
+
+    `model.rope_scaling_json` (a file) or `$GLM52_ROPE_SCALING_JSON`; native positions when neither
+    is set. Both set to different files is ambiguous and refused.
+    """
+    from glm52_jax import positions
+
+    env = os.environ.get(positions.ROPE_SCALING_ENV, "")
+    path = c.model.get("rope_scaling_json", "") or ""
+    if path and env and Path(path).resolve() != Path(env).resolve():
+        raise ConfigError(f"model.rope_scaling_json={path!r} and ${positions.ROPE_SCALING_ENV}={env!r} name different "
+                          "payloads; set one")
+    source = f"model.rope_scaling_json={path!r}" if path else f"${positions.ROPE_SCALING_ENV}={env!r}"
+    if not (path or env):
+        return None, ""
+    try:
+        return positions.load_rope_scaling(path or env), source
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def tokenizer_for(c, checkpoint: Path | None):
+    """`model.tokenizer` (a tokenizer.json or its directory); "" = the checkpoint's tokenizer.json when
+    it ships one (a real release), else the project's tiny tokenizer (embedded policy, random init)."""
+    from glm52_jax.rollout.tokenizer import Tokenizer
+
+    source = c.model.get("tokenizer", "") or ""
+    if not source and checkpoint is not None and (checkpoint / "tokenizer.json").is_file():
+        source = str(checkpoint)
+    if not source:
+        return Tokenizer.default()
+    try:
+        return Tokenizer(source)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"model.tokenizer: {e}") from None
+
+
+def mesh_spec(c):
+    """The configured `MeshSpec` (`mesh` = "" or e.g. "folded=32", "context=4,expert=2")."""
+    from glm52_jax.parallel.mesh import MeshSpec, parse_mesh
+
+    text = c.get("mesh", "") or ""
+    if not text:
+        return MeshSpec()
+    try:
+        return parse_mesh(text)
+    except ValueError as e:
+        raise ConfigError(f"mesh: {e}") from None
+
+
 def check_config(c) -> Plan:
     """Validates the config and resolves checkpoint, rows and prompts (no model is built)."""
     from glm52_jax import config as config_lib
     from glm52_jax.model.lora import FAMILIES
     from glm52_jax.rl.data import load_rows
     from glm52_jax.rl.prompts import build_exact_prompt
-    from glm52_jax.rollout.tokenizer import Tokenizer
 
     s, t, m = c.sampling, c.train, c.model
     _require(t.gradient_mode in MODES, f"train.gradient_mode must be one of {MODES}, got {t.gradient_mode!r}")
@@ -80,25 +130,33 @@ def check_config(c) -> Plan:
     _require(isinstance(t.steps, int) and t.steps >= 1,
              f"train.steps (transactions in the run) must be a positive integer, got {t.steps!r}")
 
+    mesh_spec(c)  # a malformed mesh fails here, before any model work
+    scaling, scaling_source = rope_scaling(c)
     if m.checkpoint == "random":
         presets = {"tiny": config_lib.tiny, "glm52": config_lib.glm52}
         _require(m.preset in presets, f"model.preset must be one of {sorted(presets)}, got {m.preset!r}")
-        checkpoint, model_cfg = None, presets[m.preset]().with_env_rope_scaling()
+        checkpoint, model_cfg = None, presets[m.preset]()
     else:
         checkpoint = EMBEDDED_POLICY if m.checkpoint == "embedded" else Path(m.checkpoint)
         _require((checkpoint / "config.json").is_file(),
                  f"model.checkpoint: no config.json in {str(checkpoint)!r} (expected an HF checkpoint directory)")
-        model_cfg = config_lib.ModelConfig.from_json_file(checkpoint / "config.json").with_env_rope_scaling()
+        model_cfg = config_lib.ModelConfig.from_json_file(checkpoint / "config.json")
+    if scaling is not None:
+        try:
+            model_cfg = model_cfg.with_rope_scaling(scaling)
+        except ValueError as e:
+            raise ConfigError(f"{scaling_source}: {e}") from None
 
     limit = model_cfg.max_position_embeddings
     need = c.data.prompt_tokens + s.max_new_tokens
     _require(need <= limit, f"data.prompt_tokens ({c.data.prompt_tokens}) + sampling.max_new_tokens "
              f"({s.max_new_tokens}) = {need} exceeds the position capacity max_position_embeddings={limit}"
-             + ("" if os.environ.get("GLM52_ROPE_SCALING_JSON") else " (no GLM52_ROPE_SCALING_JSON set)"))
+             + (f" (with the rope scaling of {scaling_source})" if scaling is not None
+                else " (no rope scaling: set model.rope_scaling_json or GLM52_ROPE_SCALING_JSON)"))
 
     all_rows = load_rows(c.data.path or None, dedupe=c.data.dedupe)
     _require(len(all_rows) > 0, "data: no rows")
-    tok = Tokenizer.default()
+    tok = tokenizer_for(c, checkpoint)
     rows, prompts = [], []
     for i in range(c.search.max_candidates):
         row = all_rows[(c.data.first_row + i) % len(all_rows)]
@@ -109,7 +167,7 @@ def check_config(c) -> Plan:
         rows.append(row)
     _require(max(max(p) for p in prompts) < model_cfg.vocab_size,
              f"the tokenizer's ids exceed the model's vocab_size {model_cfg.vocab_size}")
-    return Plan(checkpoint, model_cfg, rows, prompts, all_rows)
+    return Plan(checkpoint, model_cfg, rows, prompts, all_rows, tok)
 
 
 def _sha256(data: bytes) -> str:
@@ -191,7 +249,9 @@ def build_policy(c, plan: Plan):
     if plan.checkpoint is None:
         base = GlmMoeDsa(plan.model_cfg, ModelOptions(param_dtype=dtype), rngs=nnx.Rngs(c.seed))
     else:
-        base = load_pretrained(plan.checkpoint, dtype=dtype)
+        base = load_pretrained(plan.checkpoint, dtype=dtype, rope_scaling=rope_scaling(c)[0])
+    if base.cfg != plan.model_cfg:
+        raise ConfigError("the loaded model's config differs from the checked one")  # a bug, not bad input
     lora_cfg = LoRAConfig(rank=m.lora_rank, alpha=float(m.lora_alpha), families=frozenset(m.lora_families))
     model = attach_lora(base, lora_cfg, seed=c.seed)
     optimizer = LoRAOptimizer(model, AdamWConfig(learning_rate=float(t.learning_rate), weight_decay=float(t.weight_decay),
@@ -213,6 +273,9 @@ def run_online(c, workdir: str | os.PathLike, *, log: Callable[[str], None] = pr
     """
     workdir = Path(workdir)
     plan = check_config(c)
+    if mesh_spec(c).size > 1:
+        raise ConfigError(f"mesh={c.mesh!r}: train mode runs on one device so far (sharded sampling and update "
+                          "are not wired into the launcher yet); --mode=plan compiles the programs for this mesh")
     from glm52_jax.checkpoint.train_state import RunCheckpoints, RunState
 
     expect = {"config_sha256": resume_config_hash(c), "base": base_name(plan, c)}
@@ -280,7 +343,6 @@ def _transaction(c, plan: Plan, step: int, step_key, cursor: int, model, optimiz
     from glm52_jax.rl.rewards.dapo import compute_score
     from glm52_jax.rl.update import NonFiniteGradientError, grpo_update
     from glm52_jax.rollout.sampler import SamplingParams
-    from glm52_jax.rollout.tokenizer import Tokenizer
 
     writer = EvidenceWriter(evidence_dir)  # refuses an existing receipt before any compute
     traces: list[dict[str, Any]] = []
@@ -288,7 +350,7 @@ def _transaction(c, plan: Plan, step: int, step_key, cursor: int, model, optimiz
     cfg = model.cfg
     inventory_before = param_inventory(model)
     lora_before = _lora_bytes(model)
-    tok = Tokenizer.default()
+    tok = plan.tokenizer
     stop_ids = tuple(int(i) for i in cfg.eos_token_id)
     # Per-candidate sampling seeds come from the run's RNG (saved in every checkpoint).
     seeds = [int(x) for x in np.asarray(jax.random.randint(step_key, (c.search.max_candidates,), 0, 2**31 - 1))]

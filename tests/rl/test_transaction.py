@@ -246,3 +246,74 @@ def test_export_refuses_a_directory_without_a_run(tmp_path):
 
     with pytest.raises(ConfigError, match="no checkpoints"):
         export_run(_config(), tmp_path)
+
+
+def _payload(tmp_path, name, theta=10000.0, factor=2.0, original=65536, max_pos=131072):
+    path = tmp_path / name
+    path.write_text(json.dumps({"max_position_embeddings": max_pos, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": theta, "factor": factor, "original_max_position_embeddings": original,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}}))
+    return str(path)
+
+
+def test_rope_scaling_payload_extends_the_position_capacity(tmp_path, monkeypatch):
+    monkeypatch.delenv("GLM52_ROPE_SCALING_JSON", raising=False)
+    long = {"data.prompt_tokens": 65536, "search.max_candidates": 1}
+    with pytest.raises(ConfigError, match="no rope scaling"):
+        check_config(_config(**long))
+    plan = check_config(_config(**long, **{"model.rope_scaling_json": _payload(tmp_path, "yarn.json")}))
+    assert plan.model_cfg.max_position_embeddings == 131072 and plan.model_cfg.rope.rope_type == "yarn"
+    assert len(plan.prompts[0]) == 65536
+    # The environment variable is the seed's switch and works the same way.
+    monkeypatch.setenv("GLM52_ROPE_SCALING_JSON", _payload(tmp_path, "env.json"))
+    assert check_config(_config(**long)).model_cfg.max_position_embeddings == 131072
+    with pytest.raises(ConfigError, match="different"):
+        check_config(_config(**{"model.rope_scaling_json": _payload(tmp_path, "other.json", factor=4.0)}))
+
+
+@pytest.mark.parametrize("payload,match", [
+    (dict(theta=8e6), "rope_theta"),
+    (None, "does not exist"),
+])
+def test_bad_rope_scaling_payload(tmp_path, monkeypatch, payload, match):
+    monkeypatch.delenv("GLM52_ROPE_SCALING_JSON", raising=False)
+    path = str(tmp_path / "missing.json") if payload is None else _payload(tmp_path, "bad.json", **payload)
+    with pytest.raises(ConfigError, match=match):
+        check_config(_config(**{"model.rope_scaling_json": path}))
+
+
+def _load_config(name):
+    from ml_collections import config_flags  # noqa: F401  (the configs are plain modules)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"cfg_{name}", ROOT / "configs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def test_2m_config_is_the_seeds_run(monkeypatch):
+    """configs/2m.py: GLM-5.2 architecture, exact 2,097,152-token prompts with the YaRN payload,
+    16 new tokens, G = 2, rank-8 LoRA, <= 8 candidates, the TP1/CP32/EP32/PP1 mesh."""
+    from glm52_jax.rl.transaction import mesh_spec
+
+    monkeypatch.delenv("GLM52_ROPE_SCALING_JSON", raising=False)
+    c = _load_config("2m")
+    with pytest.raises(ConfigError, match="no config.json"):  # the checkpoint must be given per machine
+        check_config(c)
+    c.model.checkpoint = "random"  # the preset architecture stands in for the release
+    plan = check_config(c)
+    assert plan.model_cfg.num_hidden_layers == 78 and plan.model_cfg.max_position_embeddings == 2_097_168
+    assert plan.model_cfg.rope.rope_type == "yarn" and plan.model_cfg.indexer_types.count("full") == 21
+    assert [len(p) for p in plan.prompts] == [2_097_152] * 8
+    assert (c.sampling.max_new_tokens, c.sampling.num_samples, c.model.lora_rank) == (16, 2, 8)
+    assert mesh_spec(c).describe() == "DP1/TP1/CP32/EP32/PP1"
+    c.data.prompt_tokens = 2_097_153  # one more token than the payload's capacity allows
+    with pytest.raises(ConfigError, match="position capacity"):
+        check_config(c)
+
+
+def test_train_mode_refuses_a_multi_device_mesh(tmp_path):
+    with pytest.raises(ConfigError, match="one device"):
+        run_online(_config(**{"mesh": "context=4,expert=2"}), tmp_path / "w", log=lambda msg: None)
+    assert not (tmp_path / "w").exists()
