@@ -51,6 +51,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.clip_ratio_high = 0.28
     c.train.loss_agg_mode = "token-mean"
 
+    c.parity = ml_collections.ConfigDict()  # --mode=parity: gradient modes compared on one rollout group
+    c.parity.modes = ("conventional", "response_only", "shared_prefix")
+    c.parity.reference = "conventional"
+
     c.plan = ml_collections.ConfigDict()
     c.plan.hbm_gib = 96.0  # --mode=plan: per-device memory budget the compiled programs must fit
     return c

@@ -30,9 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", str(ROOT / "configs" / "tiny.py"), "ml_collections config file")
 flags.DEFINE_string("workdir", None, "run directory (default: runs/<config.name>_<UTC time>)")
-flags.DEFINE_enum("mode", "train", ["train", "export", "forward"],
+flags.DEFINE_enum("mode", "train", ["train", "export", "parity", "forward"],
                   "train: run/resume train.steps GRPO transactions; export: PEFT adapter + merged model from the "
-                  "run's latest checkpoint; forward: smoke forward")
+                  "run's latest checkpoint; parity: gradient modes compared on one rollout; forward: smoke forward")
 flags.DEFINE_string("export_dir", None, "export mode: output directory (default WORKDIR/export/step_<k>)")
 flags.DEFINE_integer("export_step", None, "export mode: checkpoint step (default: the latest)")
 flags.DEFINE_integer("seq_len", 256, "forward mode: tokens per sequence", lower_bound=2)
@@ -87,6 +87,13 @@ def main(argv):
                 raise ConfigError("--mode=export needs --workdir (the run to export)")
             record = export_run(c, FLAGS.workdir, export_dir=FLAGS.export_dir, step=FLAGS.export_step)
             print(json.dumps({k: record[k] for k in ("export_dir", "step", "base")}))
+            return
+        if FLAGS.mode == "parity":
+            from glm52_jax.rl.parity import run_parity
+
+            workdir = FLAGS.workdir or str(Path("runs") / f"{c.name}_{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+            out = run_parity(c, workdir, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+            print(json.dumps(out))
             return
         workdir = FLAGS.workdir or str(Path("runs") / f"{c.name}_{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
         summary = run_online(c, workdir, log=lambda msg: print(msg, file=sys.stderr, flush=True))

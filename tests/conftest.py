@@ -9,9 +9,9 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-# Subprocess tests (CLI runs) share one persistent compilation cache, so a second process running
-# the same programs (e.g. a resumed run) loads them instead of recompiling. Set after importing
-# jax: this process keeps its in-memory cache only.
+# One persistent compilation cache for the session, shared by this process and the subprocess tests
+# (CLI runs): a program compiled once (e.g. the embedded policy's sampler chunk, used by several
+# test modules, or a resumed run's programs) is loaded from disk instead of recompiled.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import atexit
     import shutil
@@ -20,3 +20,4 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache_dir = tempfile.mkdtemp(prefix="glm52_jax_test_xla_cache_")
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+    jax.config.update("jax_compilation_cache_dir", _cache_dir)

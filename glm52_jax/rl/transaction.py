@@ -328,33 +328,15 @@ def run_online(c, workdir: str | os.PathLike, *, log: Callable[[str], None] = pr
             "status": steps[-1]["status"], "steps": steps}
 
 
-def _transaction(c, plan: Plan, step: int, step_key, cursor: int, model, optimizer, sampler, evidence_dir: Path,
-                 event, log) -> dict[str, Any]:
-    """One transaction (search, sample, reward, update) with its receipt in `evidence_dir`."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from glm52_jax.checkpoint.inventory import param_inventory
-    from glm52_jax.evidence import EvidenceWriter, config_hash
-    from glm52_jax.model.transformer import token_logprobs
-    from glm52_jax.rl import grpo
-    from glm52_jax.rl.gradients import LossSettings
+def search_group(c, plan: Plan, step: int, cursor: int, seeds: list[int], sampler, event, log):
+    """Bounded candidate search: G samples per candidate prompt, DAPO rewards, stop at the first
+    group whose rewards differ. Returns (candidate records, accepted (i, row, prompt, result,
+    rewards) or None)."""
     from glm52_jax.rl.rewards.dapo import compute_score
-    from glm52_jax.rl.update import NonFiniteGradientError, grpo_update
     from glm52_jax.rollout.sampler import SamplingParams
 
-    writer = EvidenceWriter(evidence_dir)  # refuses an existing receipt before any compute
-    traces: list[dict[str, Any]] = []
-    m, s, t = c.model, c.sampling, c.train
-    cfg = model.cfg
-    inventory_before = param_inventory(model)
-    lora_before = _lora_bytes(model)
-    tok = plan.tokenizer
-    stop_ids = tuple(int(i) for i in cfg.eos_token_id)
-    # Per-candidate sampling seeds come from the run's RNG (saved in every checkpoint).
-    seeds = [int(x) for x in np.asarray(jax.random.randint(step_key, (c.search.max_candidates,), 0, 2**31 - 1))]
-    event("step_start", traces, step=step, cursor=cursor)
+    s, tok = c.sampling, plan.tokenizer
+    stop_ids = tuple(int(i) for i in sampler.cfg.eos_token_id)
     candidates, accepted = [], None
     for i in range(c.search.max_candidates):
         # The first transaction's prompts were built (and checked) by check_config.
@@ -372,13 +354,42 @@ def _transaction(c, plan: Plan, step: int, step_key, cursor: int, model, optimiz
                 "finish_reasons": res.finish_reasons, "prefix_hit_tokens": res.prefix_hit_tokens, "seed": seeds[i]}
         candidates.append(cand)
         # Timings go to the traces only: the receipt's other sections must reproduce bit for bit.
-        event("candidate", traces, step=step, candidate=i, row=row.index, rewards=rewards,
+        event("candidate", step=step, candidate=i, row=row.index, rewards=rewards,
               prefix_hit_tokens=res.prefix_hit_tokens, prefill_seconds=round(res.prefill_seconds, 3),
               decode_seconds=round(res.decode_seconds, 3))
         log(f"step {step} candidate {i}: row {row.index} rewards {rewards} (prefix hit {res.prefix_hit_tokens} tokens)")
         if len(set(rewards)) > 1:
             accepted = (i, row, prompt, res, rewards)
             break
+    return candidates, accepted
+
+
+def _transaction(c, plan: Plan, step: int, step_key, cursor: int, model, optimizer, sampler, evidence_dir: Path,
+                 event, log) -> dict[str, Any]:
+    """One transaction (search, sample, reward, update) with its receipt in `evidence_dir`."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from glm52_jax.checkpoint.inventory import param_inventory
+    from glm52_jax.evidence import EvidenceWriter, config_hash
+    from glm52_jax.model.transformer import token_logprobs
+    from glm52_jax.rl import grpo
+    from glm52_jax.rl.gradients import LossSettings
+    from glm52_jax.rl.update import NonFiniteGradientError, grpo_update
+
+    writer = EvidenceWriter(evidence_dir)  # refuses an existing receipt before any compute
+    traces: list[dict[str, Any]] = []
+    m, s, t = c.model, c.sampling, c.train
+    cfg = model.cfg
+    inventory_before = param_inventory(model)
+    lora_before = _lora_bytes(model)
+    stop_ids = tuple(int(i) for i in cfg.eos_token_id)
+    # Per-candidate sampling seeds come from the run's RNG (saved in every checkpoint).
+    seeds = [int(x) for x in np.asarray(jax.random.randint(step_key, (c.search.max_candidates,), 0, 2**31 - 1))]
+    event("step_start", traces, step=step, cursor=cursor)
+    candidates, accepted = search_group(c, plan, step, cursor, seeds, sampler,
+                                        lambda kind, **kw: event(kind, traces, **kw), log)
 
     inventory_after = param_inventory(model)
     sampling_changed = sorted(k for k in inventory_before if inventory_before[k] != inventory_after.get(k))
