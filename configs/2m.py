@@ -58,5 +58,6 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.loss_agg_mode = "token-mean"
 
     c.plan = ml_collections.ConfigDict()
+    c.plan.programs = ("prefill", "decode", "train")
     c.plan.hbm_gib = 96.0  # H20
     return c

@@ -56,5 +56,6 @@ def get_config() -> ml_collections.ConfigDict:
     c.parity.reference = "conventional"
 
     c.plan = ml_collections.ConfigDict()
+    c.plan.programs = ("prefill", "decode", "train")
     c.plan.hbm_gib = 96.0  # --mode=plan: per-device memory budget the compiled programs must fit
     return c

@@ -30,9 +30,11 @@ ROOT = Path(__file__).resolve().parents[1]
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", str(ROOT / "configs" / "tiny.py"), "ml_collections config file")
 flags.DEFINE_string("workdir", None, "run directory (default: runs/<config.name>_<UTC time>)")
-flags.DEFINE_enum("mode", "train", ["train", "export", "parity", "forward"],
-                  "train: run/resume train.steps GRPO transactions; export: PEFT adapter + merged model from the "
-                  "run's latest checkpoint; parity: gradient modes compared on one rollout; forward: smoke forward")
+flags.DEFINE_enum("mode", "train", ["train", "plan", "export", "parity", "forward"],
+                  "train: run/resume train.steps GRPO transactions; plan: AOT-compile prefill, decode and the "
+                  "training step for the configured mesh from abstract inputs (memory, FLOPs, collectives); "
+                  "export: PEFT adapter + merged model from the run's latest checkpoint; parity: gradient modes "
+                  "compared on one rollout; forward: smoke forward")
 flags.DEFINE_string("export_dir", None, "export mode: output directory (default WORKDIR/export/step_<k>)")
 flags.DEFINE_integer("export_step", None, "export mode: checkpoint step (default: the latest)")
 flags.DEFINE_integer("seq_len", 256, "forward mode: tokens per sequence", lower_bound=2)
@@ -65,6 +67,42 @@ def _forward(c) -> dict:
             "mean_token_logprob": float(out.mean()), "seconds_incl_compile": round(time.perf_counter() - start, 2)}
 
 
+def _plan(c) -> dict:
+    """Plan mode: no weights, no data; the checkpoint's config.json if present, else `model.preset`."""
+    import jax.numpy as jnp
+
+    from glm52_jax import config as config_lib
+    from glm52_jax.model.lora import LoRAConfig
+    from glm52_jax.plan import format_plan, plan
+    from glm52_jax.rl.transaction import EMBEDDED_POLICY, ConfigError, mesh_spec, rope_scaling
+
+    m, s = c.model, c.sampling
+    checkpoint = EMBEDDED_POLICY if m.checkpoint == "embedded" else Path(m.checkpoint)
+    if m.checkpoint != "random" and (checkpoint / "config.json").is_file():
+        cfg, source = config_lib.ModelConfig.from_json_file(checkpoint / "config.json"), str(checkpoint)
+    else:
+        presets = {"tiny": config_lib.tiny, "glm52": config_lib.glm52}
+        if m.preset not in presets:
+            raise ConfigError(f"model.preset must be one of {sorted(presets)}, got {m.preset!r}")
+        cfg, source = presets[m.preset](), f"preset:{m.preset}"
+    scaling, _ = rope_scaling(c)
+    if scaling is not None:
+        cfg = cfg.with_rope_scaling(scaling)
+    need = c.data.prompt_tokens + s.max_new_tokens
+    if need > cfg.max_position_embeddings:
+        raise ConfigError(f"data.prompt_tokens + sampling.max_new_tokens = {need} exceeds the position capacity "
+                          f"{cfg.max_position_embeddings}")
+    lora = LoRAConfig(rank=m.lora_rank, alpha=float(m.lora_alpha), families=frozenset(m.lora_families))
+    report = plan(cfg, mesh_spec(c), prompt_tokens=c.data.prompt_tokens, max_new_tokens=s.max_new_tokens,
+                  num_samples=s.num_samples, gradient_mode=c.train.gradient_mode, lora=lora,
+                  dtype=jnp.dtype(m.dtype), chunk_size=s.chunk_size, hbm_bytes=float(c.plan.hbm_gib) * 2**30,
+                  programs=tuple(c.plan.get("programs", ("prefill", "decode", "train"))),
+                  log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    report["model_source"] = source
+    print(format_plan(report), file=sys.stderr)
+    return report
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -75,6 +113,24 @@ def main(argv):
     c = FLAGS.config
     if FLAGS.verbosity <= 0:  # Orbax logs every file rename at INFO; keep the console to our progress lines
         logging.set_verbosity(logging.WARNING)
+    try:
+        if FLAGS.mode == "plan":
+            from glm52_jax.plan import ensure_virtual_devices
+            from glm52_jax.rl.transaction import mesh_spec
+
+            ensure_virtual_devices(mesh_spec(c).size)  # before JAX starts: virtual CPU devices for the mesh
+            report = _plan(c)
+            if FLAGS.workdir:
+                from glm52_jax.evidence.atomic import atomic_write_json
+
+                Path(FLAGS.workdir).mkdir(parents=True, exist_ok=True)
+                atomic_write_json(Path(FLAGS.workdir) / "plan.json", report, indent=1)
+            print(json.dumps({"fits": report["fits"], "largest_program": report["largest_program"],
+                              "largest_total_bytes": report["largest_total_bytes"], "hbm_bytes": report["hbm_bytes"],
+                              "mesh": report["mesh"]["describe"]}))
+            return
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}") from None
     distributed.initialize()  # multi-host when GLM52_* or SLURM variables say so; else a no-op
     try:
         if FLAGS.mode == "forward":

@@ -16,12 +16,13 @@ from every query at a smaller position, so no extra mask is needed.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 
 from glm52_jax.config import ModelConfig
-from glm52_jax.parallel.rules import constrain
+from glm52_jax.parallel.rules import constrain, logical_to_spec
 
 CACHE_AXES = ("layers", None, "batch", "seq", None)
 
@@ -93,6 +94,16 @@ class LayerCacheView:
         return self.c_kv.shape[-2]
 
 
+def _slots_sharded() -> bool:
+    """Whether the current mesh (if any) splits the cache's slot axis over more than one device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return False
+    part = logical_to_spec(CACHE_AXES, mesh_axes=mesh.axis_names)[3]
+    names = () if part is None else (part,) if isinstance(part, str) else tuple(part)
+    return math.prod(mesh.shape[n] for n in names) > 1
+
+
 def write_chunk(cache: KVCache, new_c, new_r, new_i, seq: int) -> KVCache:
     """Writes a chunk's entries (per segment [repeats, U|F, B, S, *]) at slot `length`; length += S.
 
@@ -100,10 +111,23 @@ def write_chunk(cache: KVCache, new_c, new_r, new_i, seq: int) -> KVCache:
     donated, XLA updates it in place instead of copying the whole cache per layer.
     """
 
+    sharded = _slots_sharded()
+
     def put(stack, chunk):
-        start = (0, 0, 0, cache.length, 0)
+        chunk = chunk.astype(stack.dtype)
+        if sharded:
+            # A dynamic_update_slice at a traced offset on a sharded axis makes XLA all-gather the
+            # whole stack on every device (hundreds of GB per device at 2M). A select keeps every
+            # device on its own slots: each one rewrites its shard, taking chunk rows where the
+            # chunk lands in it.
+            rel = jnp.arange(stack.shape[3], dtype=jnp.int32) - cache.length
+            inside = (rel >= 0) & (rel < seq)
+            rows = jnp.take(chunk, jnp.clip(rel, 0, seq - 1), axis=3)
+            updated = jnp.where(inside[:, None], rows, stack)
+        else:
+            updated = jax.lax.dynamic_update_slice(stack, chunk, (0, 0, 0, cache.length, 0))
         # The sequence axis stays sharded (context parallel) under a mesh; a no-op without one.
-        return constrain(jax.lax.dynamic_update_slice(stack, chunk.astype(stack.dtype), start), CACHE_AXES)
+        return constrain(updated, CACHE_AXES)
 
     return KVCache(tuple(map(put, cache.c_kv, new_c)), tuple(map(put, cache.k_rope, new_r)),
                    tuple(map(put, cache.index_k, new_i)), cache.length + seq)

@@ -80,14 +80,26 @@ def test_folded_context_and_experts_on_one_axis(saved):
 
 
 def test_cache_sequence_axis_stays_sharded(saved):
-    """A cached chunk under context 4 x expert 2: the written cache is split along its sequence axis."""
+    """Two cached chunks under context 4 x expert 2: the written cache is split along its sequence
+    axis (16 of 64 slots per device; the second chunk lands on another shard) and holds exactly
+    what the single-device run writes."""
     path, ids, _ = saved
     mesh = jax.make_mesh((1, 4, 2), ("data", "context", "expert"), axis_types=(AxisType.Auto,) * 3)
     model = glm52_jax.load_pretrained(path, dtype=jnp.float32, options=OPTS)
     graphdef, state = nnx.split(model)
+
+    def two_chunks(st, x):
+        m = nnx.merge(graphdef, st)
+        h1, cache = m.forward_cached(x[:, :16], m.init_cache(1, 64))
+        h2, cache = m.forward_cached(x[:, 16:28], cache)
+        return h2, cache
+
+    want_h, want = jax.jit(two_chunks)(state, ids[:1])
     with jax.set_mesh(mesh):
-        cache = jax.jit(lambda st, x: nnx.merge(graphdef, st).forward_cached(x, model.init_cache(1, 64))[1])(
-            state, ids[:1, :16])
-    for stack in (*cache.c_kv, *cache.k_rope, *cache.index_k):
+        got_h, cache = jax.jit(two_chunks)(state, ids[:1])
+    for stack, ref in zip((*cache.c_kv, *cache.k_rope, *cache.index_k), (*want.c_kv, *want.k_rope, *want.index_k)):
         assert stack.sharding.spec[3] == "context", stack.sharding.spec
         assert {s.data.shape[3] for s in stack.addressable_shards} == {16}  # 64 slots / 4
+        np.testing.assert_allclose(np.asarray(stack), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    assert int(cache.length) == 28
+    np.testing.assert_allclose(np.asarray(got_h), np.asarray(want_h), rtol=1e-5, atol=1e-5)

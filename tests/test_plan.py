@@ -1,0 +1,237 @@
+"""AOT plan mode (`glm52_jax.plan`): programs compiled from abstract weights and inputs.
+
+A 3-layer tiny model (a dense full-indexer layer, then a 2-repeat scan of MoE layers with a shared
+indexer: every GLM-5.2 feature, at about 2/3 of the 6-layer tiny's compile time) on the 8
+virtual CPU devices (folded CP8/EP8) and on one device. The numbers checked are the compiled
+executables' own (memory analysis, HLO text) against what the abstract state says they must be.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from glm52_jax import config, plan as planlib
+from glm52_jax.model.lora import LoRAConfig
+from glm52_jax.model.options import ModelOptions
+from glm52_jax.parallel.mesh import MeshSpec
+
+OPTS = ModelOptions(indexer_query_block=16, indexer_key_block=16, attention_query_block=8)
+LORA = LoRAConfig(rank=4, alpha=8.0)
+SHAPES = dict(prompt_tokens=96, max_new_tokens=8, num_samples=2, gradient_mode="response_only", lora=LORA,
+              dtype=jnp.float32)
+FOLDED = MeshSpec(context=8, expert=8, folded=True)
+
+
+CFG = config.tiny(num_hidden_layers=3, indexer_types=("full", "shared", "shared"))
+
+
+def _plan(mesh, programs, chunk_size=32, **kw):
+    return planlib.plan(CFG, mesh, chunk_size=chunk_size, programs=programs, options=OPTS, **SHAPES, **kw)
+
+
+@pytest.fixture(scope="module")
+def folded():
+    return _plan(FOLDED, ("prefill", "decode", "train"))
+
+
+@pytest.fixture(scope="module")
+def single():
+    return _plan(MeshSpec(), ("prefill",), hbm_bytes=1.0)
+
+
+def test_folded_memory_matches_the_abstract_state(folded):
+    model, cache = folded["model"], folded["cache"]
+    # Slots shard 8 ways (batch 1, capacity 256): each device holds exactly 1/8 of the cache.
+    assert folded["shapes"]["planned_capacity"] == 256 and not folded["issues"]
+    assert cache["batch1_bytes_per_device"] * 8 == cache["batch1_bytes"] > 0
+    assert cache["decode_bytes_per_device"] * 8 == cache["decode_bytes"] == 2 * cache["batch1_bytes"]
+    # Experts shard 8 ways, the rest is replicated: per device is between 1/8 and all of it.
+    assert model["param_bytes"] / 8 < model["param_bytes_per_device"] < model["param_bytes"]
+    weights = model["param_bytes_per_device"] + model["lora_bytes_per_device"]
+    ids = 32 // 8 * 4  # [1, 32] int32 ids, sequence-sharded
+    for name, p in folded["programs"].items():
+        mem = p["memory"]
+        assert all(v >= 0 for v in mem.values()), (name, mem)
+        assert mem["argument_bytes"] > 0 and mem["temp_bytes"] > 0, (name, mem)
+        assert mem["total_bytes"] == (mem["argument_bytes"] + mem["output_bytes"] + mem["temp_bytes"]
+                                      - mem["alias_bytes"])
+        # XLA's argument buffers are exactly the per-device shards of the abstract inputs.
+        assert mem["argument_bytes"] == p["input_bytes_per_device"], name
+        assert mem["argument_bytes"] >= model["param_bytes_per_device"], name
+    prefill = folded["programs"]["prefill"]["memory"]
+    assert prefill["argument_bytes"] == weights + cache["batch1_bytes_per_device"] + ids + 4  # + length
+    assert prefill["output_bytes"] >= cache["batch1_bytes_per_device"]  # the updated cache comes back
+    decode = folded["programs"]["decode"]["memory"]
+    assert decode["argument_bytes"] >= weights + cache["decode_bytes_per_device"]
+    # Train holds the prefix cache, the adapters and AdamW's two moments of them, sharded like the
+    # adapters (the rest: token ids, masks, advantages, the step count: a few hundred bytes).
+    train = folded["programs"]["train"]["memory"]
+    resident = weights + 2 * model["lora_bytes_per_device"] + cache["batch1_bytes_per_device"]
+    assert 0 < train["argument_bytes"] - resident < 1024
+
+
+def test_folded_collectives_and_flops(folded):
+    for name, p in folded["programs"].items():
+        moved = sum(c["bytes"] for c in p["collectives"].values())
+        assert moved > 0, f"{name}: no collectives on an 8-device mesh"
+        for c in p["collectives"].values():
+            assert c["bytes_executed"] >= c["bytes"] >= 0 and (c["ops"] > 0) == (c["bytes"] > 0)
+        fl = p["flops"]
+        assert fl["xla_flops"] > 0 and fl["flops_static"] > 0
+        # The HLO count reproduces XLA's own (loop bodies once) to within a few percent...
+        assert 0.8 < fl["flops_static"] / fl["xla_flops"] < 1.2, (name, fl)
+        # ...and the layer scan (2 repeats) and the query-block maps run their bodies several times.
+        assert fl["flops_executed"] > 1.5 * fl["flops_static"], (name, fl)
+        assert 0 < fl["ragged_dot_flops_executed"] < fl["dot_flops_executed"] <= fl["flops_executed"]
+        # The dense CPU ragged_dot does E=8 groups' work; a grouped GEMM would do one.
+        grouped = fl["flops_executed"] - fl["ragged_dot_flops_executed"] * 7 / 8
+        assert fl["flops_executed_grouped_gemm_estimate"] == pytest.approx(grouped)
+        assert p["seconds"]["compile"] > 0
+    gathers = folded["programs"]["prefill"]["collectives"]["all-gather"]
+    assert gathers["ops"] > 0 and gathers["bytes"] > 0
+    # The sampler's decode scan has 8 steps: its executed collectives are at least 8x one body's.
+    decode = folded["programs"]["decode"]["collectives"]
+    assert sum(c["bytes_executed"] for c in decode.values()) >= 8 * sum(c["bytes"] for c in decode.values()) * 0.9
+    assert folded["programs"]["prefill"]["calls_per_transaction"] == 3  # 96 tokens in chunks of 32
+    assert folded["fits"] and folded["largest_program"] in folded["programs"]
+
+
+def test_report_is_json_and_formats(folded):
+    again = json.loads(json.dumps(folded))
+    assert again["programs"].keys() == {"prefill", "decode", "train"}
+    text = planlib.format_plan(folded)
+    for word in ("prefill", "decode", "train", "all-gather", "CP8/EP8", "fits"):
+        assert word in text
+
+
+def test_one_device_has_no_collectives_and_the_fits_flag_flips(single):
+    p = single["programs"]["prefill"]
+    assert all(c["ops"] == 0 and c["bytes"] == 0 for c in p["collectives"].values())
+    assert single["model"]["param_bytes_per_device"] == single["model"]["param_bytes"]
+    assert single["cache"]["batch1_bytes_per_device"] == single["cache"]["batch1_bytes"]
+    assert p["memory"]["argument_bytes"] == p["input_bytes_per_device"]
+    assert single["fits"] is False and p["fits"] is False  # hbm_bytes=1
+    assert planlib.assess(single, 1e12)["fits"] is True
+
+
+def test_flops_scale_with_chunk_length(single):
+    half = _plan(MeshSpec(), ("prefill",), chunk_size=16)
+    full = single["programs"]["prefill"]["flops"]
+    small = half["programs"]["prefill"]["flops"]
+    for key in ("xla_flops", "flops_executed", "dot_flops_executed"):
+        assert 1.6 < full[key] / small[key] < 2.4, (key, full[key], small[key])
+
+
+def test_mesh_needing_more_devices_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"needs 16 devices but this process has 8"):
+        _plan(MeshSpec(context=16, expert=16, folded=True), ("prefill",))
+    with pytest.raises(ValueError, match="unknown program"):
+        _plan(MeshSpec(), ("prefil",))
+
+
+def test_plan_capacity_rounds_for_sequence_sharding():
+    # Sampler.capacity_for caps at max positions: 2M + 16 -> 2,097,168, which 32 devices do not divide.
+    cap, planned, issue = planlib.plan_capacity(2_097_152, 16, 2_097_168, 256, 32)
+    assert (cap, planned) == (2_097_168, 2_097_408) and "not divisible" in issue
+    assert planlib.plan_capacity(96, 8, 65536, 256, 8) == (256, 256, None)
+
+
+def test_ensure_virtual_devices_after_jax_started():
+    assert planlib.ensure_virtual_devices(8) == jax.device_count() == 8
+    with pytest.raises(RuntimeError, match=r"needs 16 devices but JAX is already initialised with 8"):
+        planlib.ensure_virtual_devices(16)
+
+
+def test_ensure_virtual_devices_in_a_fresh_process():
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env["XLA_FLAGS"] = "--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=2"
+    code = ("import os; from glm52_jax.plan import ensure_virtual_devices as e; e(4); import jax; "
+            "print(jax.device_count(), jax.default_backend(), os.environ['XLA_FLAGS'])")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["4", "cpu", "--xla_cpu_enable_fast_math=false",
+                                  "--xla_force_host_platform_device_count=4"]
+
+
+HLO = """HloModule m, entry_computation_layout={(f32[8,4]{1,0})->f32[8,4]{1,0}}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%body (p: (s32[], f32[8,4])) -> (s32[], f32[8,4]) {
+  %p = (s32[], f32[8,4]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8,4]{1,0} get-tuple-element(%p), index=1
+  %g = f32[32,4]{1,0} all-gather(%x), dimensions={0}, metadata={op_name="gather_me"}
+  %w = f32[4,4]{1,0} slice(%g), slice={[0:4], [0:4]}
+  %d = f32[8,4]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %t = (s32[], f32[8,4]{1,0}) tuple(%i, %d)
+}
+
+%cond (c: (s32[], f32[8,4])) -> pred[] {
+  %c = (s32[], f32[8,4]{1,0}) parameter(0)
+  ROOT %k = pred[] constant(true)
+}
+
+%body2 (q: (s32[], f32[8,4])) -> (s32[], f32[8,4]) {
+  %q = (s32[], f32[8,4]{1,0}) parameter(0)
+  %y = f32[8,4]{1,0} get-tuple-element(%q), index=1
+  %cp = bf16[8,4]{1,0} collective-permute(%y), source_target_pairs={{0,1}}
+  %z = s32[] get-tuple-element(%q), index=0
+  ROOT %u = (s32[], f32[8,4]{1,0}) tuple(%z, %y)
+}
+
+ENTRY %main (x0: f32[8,4]) -> f32[8,4] {
+  %x0 = f32[8,4]{1,0} parameter(0)
+  %r = f32[8,4]{1,0} all-reduce(%x0), to_apply=%add
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,4]{1,0}) tuple(%zero, %r)
+  %loop = (s32[], f32[8,4]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  %loop2 = (s32[], f32[8,4]{1,0}) while(%loop), condition=%cond, body=%body2
+  %out = f32[8,4]{1,0} get-tuple-element(%loop2), index=1
+  ROOT %m = f32[8,4]{1,0} multiply(%out, %out)
+}
+"""
+
+
+def test_analyze_hlo_counting_rules():
+    r = planlib.analyze_hlo(HLO)
+    coll = r["collectives"]
+    assert coll["all-reduce"] == {"ops": 1, "bytes": 128, "bytes_executed": 128, "ops_in_unknown_loops": 0}
+    # In a 5-trip loop: listed once (per body), executed 5 times.
+    assert coll["all-gather"] == {"ops": 1, "bytes": 512, "bytes_executed": 2560, "ops_in_unknown_loops": 0}
+    # In a loop without a known trip count: counted once and flagged.
+    assert coll["collective-permute"] == {"ops": 1, "bytes": 64, "bytes_executed": 64, "ops_in_unknown_loops": 1}
+    assert r["largest_collectives"][0]["op_name"] == "gather_me" and r["largest_collectives"][0]["times"] == 5
+    dot = 2 * 8 * 4 * 4
+    assert r["flops"]["dot_flops_executed"] == 5 * dot
+    assert r["flops"]["flops_executed"] == 5 * dot + 32  # + the final multiply; the reducer is not a call
+    assert r["flops"]["flops_static"] == dot + 32
+    assert (r["while_loops"], r["unknown_trip_count_loops"]) == (2, 1)
+
+
+def test_launcher_plan_mode_makes_its_own_virtual_devices(tmp_path):
+    """`--mode=plan` in a fresh process without device flags: the mesh's 4 virtual CPU devices are
+    created before JAX starts, the embedded policy's prefill compiles, and plan.json is written."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    out = subprocess.run(
+        [sys.executable, "-m", "glm52_jax.launch", f"--config={root}/configs/tiny.py", "--mode=plan",
+         f"--workdir={tmp_path}", "--config.mesh=context=2,expert=2", "--config.plan.programs=('prefill',)",
+         "--config.data.prompt_tokens=96", "--config.sampling.chunk_size=32", "--config.sampling.max_new_tokens=8"],
+        capture_output=True, text=True, timeout=600, cwd=root, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["fits"] and summary["mesh"] == "DP1/TP1/CP2/EP2/PP1" and summary["largest_program"] == "prefill"
+    report = json.loads((tmp_path / "plan.json").read_text())
+    assert report["mesh"]["devices"] == 4 and report["model_source"].endswith("tiny_policy")
+    assert report["programs"]["prefill"]["memory"]["total_bytes"] == summary["largest_total_bytes"] > 0
+    assert "prefill" in out.stderr  # the readable table
