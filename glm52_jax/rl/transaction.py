@@ -154,7 +154,10 @@ def check_config(c) -> Plan:
              + (f" (with the rope scaling of {scaling_source})" if scaling is not None
                 else " (no rope scaling: set model.rope_scaling_json or GLM52_ROPE_SCALING_JSON)"))
 
-    all_rows = load_rows(c.data.path or None, dedupe=c.data.dedupe)
+    try:
+        all_rows = load_rows(c.data.path or None, dedupe=c.data.dedupe)
+    except (ValueError, FileNotFoundError, ImportError) as e:  # broken rows name their file and line
+        raise ConfigError(f"data.path: {e}") from None
     _require(len(all_rows) > 0, "data: no rows")
     tok = tokenizer_for(c, checkpoint)
     rows, prompts = [], []
@@ -263,6 +266,24 @@ def base_name(plan: Plan, c) -> str:
     return str(plan.checkpoint or f"random:{c.model.preset}")
 
 
+def _prefill_progress(event, log, chunk_size: int):
+    """Sampler progress callback: every chunk to the metrics; to the console about every 10% when
+    the prompt spans many chunks (a 2M prefill is 128 chunks of 16K and takes minutes)."""
+    shown = [-1]
+
+    def progress(done: int, total: int, rate: float, eta: float) -> None:
+        event("prefill", done=done, total=total, tokens_per_s=round(rate, 1))
+        if total < 8 * chunk_size:
+            return
+        tenth = done * 10 // total
+        if tenth != shown[0] or done == total:
+            shown[0] = tenth
+            log(f"prefill {done:,}/{total:,} tokens ({100 * done / total:.0f}%), {rate:,.0f} tokens/s, "
+                f"eta {eta:,.0f} s")
+
+    return progress
+
+
 def run_online(c, workdir: str | os.PathLike, *, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Runs (or resumes) `train.steps` transactions in `workdir`; returns a summary of the run.
 
@@ -311,8 +332,7 @@ def run_online(c, workdir: str | os.PathLike, *, log: Callable[[str], None] = pr
         state = RunState(step=0, rng=jax.random.key(c.seed), cursor=c.data.first_row, optimizer_steps=0, meta={})
     event("loaded", checkpoint=base_name(plan, c))
     sampler = Sampler(model, chunk_size=s.chunk_size, prefix_cache_bytes=int(s.prefix_cache_mib) << 20,
-                      progress=lambda done, total, rate, eta: event("prefill", done=done, total=total,
-                                                                     tokens_per_s=round(rate, 1)))
+                      progress=_prefill_progress(event, log, s.chunk_size))
     steps = []
     for step in range(state.step + 1, t.steps + 1):
         rng, step_key = jax.random.split(state.rng)
@@ -435,6 +455,8 @@ def _transaction(c, plan: Plan, step: int, step_key, cursor: int, model, optimiz
         arrays.update({"prompt_token_ids.npy": np.asarray(prompt, np.int32), "completion_tokens.npy": res.tokens,
                        "old_logprobs.npy": res.logprobs})
         event("update_end", traces, step=step, **{k: training[k] for k in ("status", "optimizer_steps")})
+        log(f"step {step} update ({t.gradient_mode}): {training['status']}"
+            + (f", loss {training['loss']:.6g}, grad norm {training['grad_norm']:.4g}" if "loss" in training else ""))
     lora_after = _lora_bytes(model)
     training["optimizer_steps_total"] = optimizer.step
     training["lora_sha256_before"] = _sha256(lora_before)

@@ -317,3 +317,29 @@ def test_train_mode_refuses_a_multi_device_mesh(tmp_path):
     with pytest.raises(ConfigError, match="one device"):
         run_online(_config(**{"mesh": "context=4,expert=2"}), tmp_path / "w", log=lambda msg: None)
     assert not (tmp_path / "w").exists()
+
+
+def test_prefill_progress_reaches_the_console_for_long_prompts():
+    from glm52_jax.rl.transaction import _prefill_progress
+
+    events, lines = [], []
+    progress = _prefill_progress(lambda kind, **kw: events.append((kind, kw)), lines.append, chunk_size=100)
+    for done in range(100, 2001, 100):  # 20 chunks
+        progress(done, 2000, 1000.0, (2000 - done) / 1000)
+    assert len(events) == 20 and events[-1] == ("prefill", {"done": 2000, "total": 2000, "tokens_per_s": 1000.0})
+    assert len(lines) == 11 and lines[-1].startswith("prefill 2,000/2,000 tokens (100%)")
+    short = []
+    quiet = _prefill_progress(lambda kind, **kw: None, short.append, chunk_size=100)
+    for done in (100, 200, 256):  # 3 chunks: no console lines
+        quiet(done, 256, 1000.0, 0.0)
+    assert short == []
+
+
+def test_broken_data_rows_fail_before_any_model_work(tmp_path):
+    good = json.loads((ROOT / "glm52_jax" / "assets" / "math_problems.jsonl").read_text().splitlines()[0])
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(good) + "\n" + '{"data_source": "x", "prompt": [}\n')
+    with pytest.raises(ConfigError, match="line 2"):
+        check_config(_config(**{"data.path": str(path)}))
+    with pytest.raises(ConfigError, match="no DAPO data file"):
+        check_config(_config(**{"data.path": str(tmp_path / "missing.jsonl")}))
