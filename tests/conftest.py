@@ -21,3 +21,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
     jax.config.update("jax_compilation_cache_dir", _cache_dir)
+# Subprocesses compile with this process's matmul precision, so their programs are the very ones
+# compiled here (cache hits) and their numbers are comparable bit for bit.
+os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"

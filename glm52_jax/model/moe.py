@@ -118,7 +118,14 @@ class MoE(nnx.Module):
         batch, seq, d = x.shape
         flat = x.reshape(-1, d)
         weights, experts = route(self.cfg, flat, self.router[...], self.e_score_correction_bias[...])
-        routed = experts_ragged(flat, weights, experts, self.w_gate[...], self.w_up[...], self.w_down[...],
-                                (self.w_gate_lora, self.w_up_lora, self.w_down_lora))
+        from glm52_jax.parallel.experts import ep_applicable, experts_ep  # it builds on experts_ragged
+
+        kernels = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        lora = (self.w_gate_lora, self.w_up_lora, self.w_down_lora)
+        if ep_applicable(flat.shape[0], self.cfg.n_routed_experts):
+            # Experts sharded over a mesh axis: all-to-all dispatch to the experts' owners.
+            routed = experts_ep(flat, weights, experts, *kernels, lora)
+        else:
+            routed = experts_ragged(flat, weights, experts, *kernels, lora)
         routed = routed.astype(x.dtype).reshape(batch, seq, d)
         return constrain(routed + self.shared_experts(x), ("batch", "seq", "embed"))

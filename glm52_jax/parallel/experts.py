@@ -1,0 +1,246 @@
+"""Expert-parallel routed experts: `jax.shard_map` + all-to-all dispatch/combine, dropless.
+
+Same math as `model.moe.experts_ragged` (one device): every token-expert pair goes to the device
+that owns its expert, runs there through `lax.ragged_dot` (+ the routed-expert LoRA deltas on the
+same rows), comes back, and is combined with the routing weight. Nothing is dropped, whatever the
+routing; results equal `experts_ragged` up to float reassociation of the final scatter-add.
+
+Layout (N = size of the expert mesh axis, the axis the `experts` logical axis maps to):
+- expert kernels `[E,D,I] / [E,I,D]` and LoRA `A [E,in,r]`, `B [E,r,out]` are sharded on E over
+  the expert axis: each device holds E/N consecutive experts (device n owns experts
+  `[n*E/N, (n+1)*E/N)`);
+- tokens `[T,D]` (and weights/experts `[T,K]`) are sharded on T over `token_axes`, which always
+  includes the expert axis. Folded layout (`cp_ep` shards both `seq` and `experts`): T is sharded
+  over `cp_ep` exactly as attention left it, so entering the shard_map moves nothing. Orthogonal
+  layout (context C x expert N): T, sharded over `context` outside the MoE, is split further over
+  `expert` inside it (token_axes `("context", "expert")`, context-major), so each of the N devices
+  of an expert group routes a distinct 1/N of its context shard instead of all N repeating the same
+  work. Entering is a local slice (no communication); XLA all-gathers the output over `expert` if
+  the consumer wants it back on `context` only. The all-to-alls run over the expert axis only, i.e.
+  within each context group.
+
+Two transports (`impl`):
+- "dense" (default, runs on XLA:CPU, which lacks `ragged_all_to_all`): a fixed-capacity
+  `lax.all_to_all`. Each device sends every destination a buffer of C = T_local*K rows, the worst
+  case (all of its pairs to one device), so it is dropless by construction. Memory per device and
+  per MoE layer: send and receive buffers of N*C*D activations each (N times the
+  T_local*K*D of the ragged path), plus the expert intermediates over the N*C received rows
+  (`[N*C, I]` for gate and up). Padding rows carry the sentinel local id E/N, sort after the real
+  rows, are excluded from `group_sizes` and so come out of `ragged_dot` (and its gradients) as
+  zeros; compute on GPU-style grouped matmuls skips them, XLA:CPU's ragged_dot may not.
+- "ragged" (for GPU): `lax.ragged_all_to_all` sends exactly the rows each destination needs
+  (send buffer T_local*K rows); the receive buffer is still sized for the worst case
+  (N*T_local*K rows: every device's pairs to this one) because shapes are static. Offsets come
+  from an all-gather of the [N] per-destination counts. Only checked by lowering/exporting for
+  CUDA in the tests (XLA:CPU cannot compile it).
+
+Axis letters: T tokens (L: this device's tokens), D model, I expert intermediate, E experts
+(El = E/N local experts), K experts per token, N expert-axis size, C = L*K rows per destination,
+r LoRA rank.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from glm52_jax.model.lora import Adapter
+from glm52_jax.model.moe import experts_ragged
+from glm52_jax.parallel.rules import logical_to_spec
+
+LoRAArrays = tuple[jax.Array, jax.Array] | None  # (A [E,in,r], B [E,r,out])
+
+
+def _mesh_axes(spec_entry) -> tuple[str, ...]:
+    if spec_entry is None:
+        return ()
+    return (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
+
+
+def default_axes(mesh) -> tuple[str | None, tuple[str, ...]]:
+    """(expert axis, token axes) from the current logical rules on `mesh`.
+
+    The expert axis is where the `experts` logical axis goes. The MoE flattens `[B,S,D]` to
+    `[T,D]` (batch-major), so the tokens arrive sharded over the `batch` then the `seq` mesh axes;
+    the expert axis is appended when it does not shard them already (orthogonal layout).
+    """
+    names = mesh.axis_names
+    expert = _mesh_axes(logical_to_spec(("experts",), mesh_axes=names)[0])
+    if len(expert) > 1:
+        raise NotImplementedError(f"experts sharded over several mesh axes {expert}; expected one")
+    expert_axis = expert[0] if expert else None
+    spec = logical_to_spec(("batch", "seq"), mesh_axes=names)
+    tokens = tuple(a for entry in spec for a in _mesh_axes(entry) if mesh.shape[a] > 1 or a == expert_axis)
+    if expert_axis is not None and expert_axis not in tokens:
+        tokens = tokens + (expert_axis,)
+    return expert_axis, tokens
+
+
+def _lora_delta(xs: jax.Array, ab: LoRAArrays, scale: float, group_sizes: jax.Array) -> jax.Array:
+    """`Adapter.ragged_delta` on local arrays: `xs: [R,in]`, A [El,in,r], B [El,r,out] -> [R,out] f32."""
+    a, b = ab
+    t = jax.lax.ragged_dot(xs, a.astype(xs.dtype), group_sizes, preferred_element_type=jnp.float32)
+    y = jax.lax.ragged_dot(t.astype(xs.dtype), b.astype(xs.dtype), group_sizes, preferred_element_type=jnp.float32)
+    return y * scale
+
+
+def _local_experts(rows: jax.Array, local_ids: jax.Array, n_local: int, w_gate, w_up, w_down, loras, scales):
+    """SwiGLU of this device's experts on received rows, in any order.
+
+    `rows: [R,D]`, `local_ids: [R]` in [0, El] (El = padding) -> `[R,D]` float32, same row order;
+    padding rows give zeros. Sorting by local expert makes each expert's rows contiguous for
+    `ragged_dot`; padding (id El) sorts last and lies outside every group.
+    """
+    order = jnp.argsort(local_ids, stable=True)
+    group_sizes = jnp.bincount(local_ids, length=n_local).astype(jnp.int32)  # id El falls outside `length`
+    xs = rows[order].astype(w_gate.dtype)
+
+    def ragged(v, w, ab, scale):
+        out = jax.lax.ragged_dot(v, w, group_sizes, preferred_element_type=jnp.float32)
+        return out if ab is None else out + _lora_delta(v, ab, scale, group_sizes)
+
+    gate = ragged(xs, w_gate, loras[0], scales[0])
+    up = ragged(xs, w_up, loras[1], scales[1])
+    h = (jax.nn.silu(gate) * up).astype(w_down.dtype)
+    y = ragged(h, w_down, loras[2], scales[2])
+    # Undo the sort: row order[j] of the input is row j of y.
+    return jnp.zeros_like(y).at[order].set(y)
+
+
+def _dispatch_plan(experts: jax.Array, n_local: int, n_dev: int):
+    """Sort this device's pairs by expert; per pair its destination device and slot there.
+
+    `experts: [L,K]` -> order [L*K] (pair index, expert-sorted), dest [L*K], slot [L*K] (row within
+    the destination's chunk), counts [N] (pairs per destination), starts [N] (first sorted row of
+    each destination), local id [L*K] (expert within the destination); per-pair arrays in sorted
+    order. Experts are owned in consecutive blocks of El, so
+    sorting by expert also groups the pairs by destination.
+    """
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    dest = sorted_e // n_local
+    counts = jnp.bincount(dest, length=n_dev).astype(jnp.int32)
+    starts = jnp.cumsum(counts) - counts  # exclusive cumsum: first sorted row of each destination
+    slot = jnp.arange(flat.shape[0], dtype=jnp.int32) - starts[dest]
+    return order, dest, slot, counts, starts, (sorted_e % n_local).astype(jnp.int32)
+
+
+def _dense_body(x, weights, experts, w_gate, w_up, w_down, loras, *, axis, n_dev, scales):
+    """Per-device body of the fixed-capacity all-to-all path (see the module docstring)."""
+    tokens, k = experts.shape
+    n_local = w_gate.shape[0]
+    cap = tokens * k  # C: worst case, all L*K local pairs to one destination -> dropless
+    order, dest, slot, _, _, local = _dispatch_plan(experts, n_local, n_dev)
+    token_of = order // k
+    # Send buffers [N,C,D] / [N,C]; unused slots keep the padding id El.
+    send = jnp.zeros((n_dev, cap, x.shape[-1]), x.dtype).at[dest, slot].set(x[token_of])
+    send_ids = jnp.full((n_dev, cap), n_local, jnp.int32).at[dest, slot].set(local)
+    # all_to_all: chunk n of the sender's axis 0 goes to device n; the receiver stacks the chunks by
+    # source on axis 0, so recv[s] is what device s sent here.
+    recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)
+    recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0, tiled=True)
+    y = _local_experts(recv.reshape(n_dev * cap, -1), recv_ids.reshape(-1), n_local, w_gate, w_up, w_down,
+                       loras, scales)
+    # Send every result back to the slot it came from; back[d, c] answers send[d, c].
+    back = jax.lax.all_to_all(y.reshape(n_dev, cap, -1), axis, 0, 0, tiled=True)
+    y_pairs = back[dest, slot] * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(y_pairs)
+
+
+def _ragged_body(x, weights, experts, w_gate, w_up, w_down, loras, *, axis, n_dev, scales):
+    """Per-device body of the `ragged_all_to_all` path (GPU; XLA:CPU cannot compile it)."""
+    tokens, k = experts.shape
+    n_local = w_gate.shape[0]
+    rows = tokens * k
+    order, _, _, counts, starts, local = _dispatch_plan(experts, n_local, n_dev)
+    token_of = order // k
+    me = jax.lax.axis_index(axis)
+    # counts_all[s, d]: pairs device s sends to device d.
+    counts_all = jax.lax.all_gather(counts, axis)  # [N,N]
+    recv_sizes = counts_all[:, me]  # [N] from each source
+    # Where my chunk for d lands in d's receive buffer: after the chunks of sources before me.
+    out_offsets = (jnp.cumsum(counts_all, axis=0) - counts_all)[me]  # [N], indexed by destination
+    recv_offsets = jnp.cumsum(recv_sizes) - recv_sizes  # where source s's chunk lands here
+    recv_cap = n_dev * rows  # worst case: every device's pairs come here
+    xs = x[token_of]
+    recv = jax.lax.ragged_all_to_all(xs, jnp.zeros((recv_cap, x.shape[-1]), x.dtype), starts, counts,
+                                     out_offsets, recv_sizes, axis_name=axis)
+    recv_ids = jax.lax.ragged_all_to_all(local, jnp.full((recv_cap,), n_local, jnp.int32), starts, counts,
+                                         out_offsets, recv_sizes, axis_name=axis)
+    y = _local_experts(recv, recv_ids, n_local, w_gate, w_up, w_down, loras, scales)
+    # Reverse: my received chunk from s goes back to s, at the offset it was sent from there.
+    back_offsets = (jnp.cumsum(counts_all, axis=1) - counts_all)[:, me]  # [N], indexed by source
+    back = jax.lax.ragged_all_to_all(y, jnp.zeros((rows, y.shape[-1]), y.dtype), recv_offsets, recv_sizes,
+                                     back_offsets, counts, axis_name=axis)
+    y_pairs = back * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(y_pairs)
+
+
+def experts_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+               w_down: jax.Array, lora: tuple[Adapter | None, Adapter | None, Adapter | None] | None = None, *,
+               mesh=None, expert_axis: str | None = None, token_axes: Sequence[str] | None = None,
+               impl: str = "dense") -> jax.Array:
+    """Expert-parallel `experts_ragged`: `x: [T,D], weights/experts: [T,K]`, `w_*: [E,D,I] / [E,I,D]` -> [T,D] f32.
+
+    `lora`: None or the (gate, up, down) routed-expert `Adapter`s (A [E,in,r], B [E,r,out]).
+    `mesh`: default the current (abstract) mesh (`jax.set_mesh`). `expert_axis` / `token_axes`:
+    default from the logical rules (`default_axes`). Falls back to `experts_ragged` when there is
+    no mesh or the expert axis has size 1. T must divide by the product of the token axes' sizes
+    and E by the expert axis size. `impl`: "dense" (CPU-runnable) or "ragged" (GPU).
+    """
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return experts_ragged(x, weights, experts, w_gate, w_up, w_down, lora)
+    auto_expert, auto_tokens = default_axes(mesh)
+    expert_axis = auto_expert if expert_axis is None else expert_axis
+    if expert_axis is None or mesh.shape[expert_axis] == 1:
+        return experts_ragged(x, weights, experts, w_gate, w_up, w_down, lora)
+    token_axes = tuple(auto_tokens if token_axes is None else token_axes)
+    if expert_axis not in token_axes:
+        raise ValueError(f"token_axes {token_axes} must include the expert axis {expert_axis!r}")
+    n_dev = mesh.shape[expert_axis]
+    n_tok = 1
+    for a in token_axes:
+        n_tok *= mesh.shape[a]
+    num_experts = w_gate.shape[0]
+    if num_experts % n_dev:
+        raise ValueError(f"{num_experts} experts do not divide over {expert_axis}={n_dev}")
+    if x.shape[0] % n_tok:
+        raise ValueError(f"{x.shape[0]} tokens do not divide over {token_axes} ({n_tok} shards)")
+    if impl not in ("dense", "ragged"):
+        raise ValueError(f"impl: expected 'dense' or 'ragged', got {impl!r}")
+
+    adapters = lora or (None, None, None)
+    loras = tuple(None if ad is None else (ad.a[...], ad.b[...]) for ad in adapters)
+    scales = tuple(None if ad is None else ad.scale for ad in adapters)
+    tok, exp = P(token_axes, None), P(expert_axis, None, None)
+    lora_specs = tuple(None if ab is None else (exp, exp) for ab in loras)
+    body = _dense_body if impl == "dense" else _ragged_body
+
+    def per_device(x, weights, experts, w_gate, w_up, w_down, loras):
+        return body(x, weights, experts, w_gate, w_up, w_down, loras, axis=expert_axis, n_dev=n_dev, scales=scales)
+
+    fn = jax.shard_map(per_device, mesh=mesh, in_specs=(tok, tok, tok, exp, exp, exp, lora_specs), out_specs=tok)
+    return fn(x, weights, experts, w_gate, w_up, w_down, loras)
+
+
+def ep_applicable(num_tokens: int, num_experts: int, mesh=None) -> bool:
+    """Whether `experts_ep` splits the work under `mesh` (default: the current one): the experts
+    axis is wider than 1 and tokens and experts divide evenly over their shards. Otherwise (no mesh,
+    a few decode tokens) the caller runs `experts_ragged` and lets GSPMD place it."""
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return False
+    expert_axis, token_axes = default_axes(mesh)
+    if expert_axis is None or mesh.shape[expert_axis] == 1:
+        return False
+    n_tok = 1
+    for a in token_axes:
+        n_tok *= mesh.shape[a]
+    return num_experts % mesh.shape[expert_axis] == 0 and num_tokens % n_tok == 0

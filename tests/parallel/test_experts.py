@@ -1,0 +1,212 @@
+"""Expert-parallel routed experts (`parallel.experts.experts_ep`) against the one-device `experts_ragged`.
+
+Runs on 8 virtual CPU devices: an 8-way folded `cp_ep` axis and an orthogonal context 4 x expert 2
+mesh; random and fully skewed routing (dropless); outputs and gradients (x, expert kernels, routed
+LoRA A/B); shardings (each device holds E/N experts).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from glm52_jax.model.lora import LoRAConfig, adapter
+from glm52_jax.model.moe import experts_ragged
+from glm52_jax.parallel import rules
+from glm52_jax.parallel.experts import default_axes, experts_ep
+from glm52_jax.parallel.mesh import MeshSpec
+
+E, D, I, T, R = 16, 32, 16, 64, 4
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
+
+
+class ExpertLoRA(nnx.Module):
+    """The routed-expert adapters as `MoE` builds them, with a random (non-zero) B."""
+
+    def __init__(self, rngs):
+        cfg = LoRAConfig(rank=R, alpha=8.0, families=frozenset({"routed_experts"}))
+        lead = dict(lead_shape=(E,), lead_axes=("experts",))
+        self.gate = adapter(cfg, "routed_experts", "w_gate", (D,), ("embed",), (I,), ("expert_mlp",), rngs, **lead)
+        self.up = adapter(cfg, "routed_experts", "w_up", (D,), ("embed",), (I,), ("expert_mlp",), rngs, **lead)
+        self.down = adapter(cfg, "routed_experts", "w_down", (I,), ("expert_mlp",), (D,), ("embed",), rngs, **lead)
+        rng = np.random.default_rng(100)
+        for ad in (self.gate, self.up, self.down):
+            ad.b[...] = jnp.asarray(0.3 * rng.standard_normal(ad.b[...].shape), ad.b[...].dtype)
+
+    def trio(self):
+        return self.gate, self.up, self.down
+
+
+@functools.lru_cache(maxsize=None)
+def _lora():
+    """(graphdef, state) of the adapters, built once: eager nnx construction costs seconds on CPU."""
+    return nnx.split(ExpertLoRA(nnx.Rngs(0, lora=1)))
+
+
+def _problem(k, skewed, seed=0):
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    x = normal(T, D)
+    w_gate, w_up, w_down = normal(E, D, I) / np.sqrt(D), normal(E, D, I) / np.sqrt(D), normal(E, I, D) / np.sqrt(I)
+    logits = rng.standard_normal((T, E))
+    if skewed:  # every token picks experts 4..4+k-1: all T*K pairs land on one device
+        logits[:, 4:4 + k] += 100.0
+    experts = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
+    scores = 1 / (1 + np.exp(-np.take_along_axis(logits, experts, -1)))
+    weights = jnp.asarray(scores / scores.sum(-1, keepdims=True) * 2.5, jnp.float32)
+    graphdef, lora_state = _lora()
+    return dict(x=x, weights=weights, experts=jnp.asarray(experts, jnp.int32), w=(w_gate, w_up, w_down),
+                cot=normal(T, D), graphdef=graphdef, lora_state=lora_state)
+
+
+def _loss_fn(prob, fn):
+    """value_and_grad of <fn(...), cot> w.r.t. x, the expert kernels and the LoRA state; aux = output."""
+    graphdef, weights, experts, cot = prob["graphdef"], prob["weights"], prob["experts"], prob["cot"]
+
+    def loss(x, w, lora_state):
+        out = fn(x, weights, experts, *w, nnx.merge(graphdef, lora_state).trio())
+        return jnp.sum(out * cot), out
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+
+
+MESHES = {
+    "folded8": (MeshSpec(context=8, folded=True), "cp_ep", ("cp_ep",)),
+    "context4_expert2": (MeshSpec(context=4, expert=2), "expert", ("context", "expert")),
+}
+
+
+def _run_ep(prob, name):
+    spec, axis, token_axes = MESHES[name]
+    mesh = spec.make()
+    with rules.axis_rules(spec.rules()):
+        assert default_axes(mesh) == (axis, token_axes)
+        seq_axis = rules.logical_to_spec(("seq",), mesh_axes=mesh.axis_names)[0]
+        put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
+        x = put(prob["x"], P(seq_axis))  # tokens as attention leaves them
+        w = tuple(put(a, P(axis)) for a in prob["w"])
+        lora_state = jax.tree.map(lambda a: put(a, P(axis)), prob["lora_state"])
+        for a in w + tuple(jax.tree.leaves(lora_state)):  # each device holds E/N experts
+            assert {s.data.shape[0] for s in a.addressable_shards} == {E // mesh.shape[axis]}
+        with jax.set_mesh(mesh):
+            (_, out), grads = jax.jit(_loss_fn(prob, experts_ep))(x, w, lora_state)
+    return out, grads, mesh, axis
+
+
+def _check(prob, name):
+    (_, ref), ref_grads = jax.jit(_loss_fn(prob, experts_ragged))(prob["x"], prob["w"], prob["lora_state"])
+    out, grads, mesh, axis = _run_ep(prob, name)
+    errs = {"out": float(jnp.max(jnp.abs(out - ref)))}
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    flat_ref, flat = jax.tree.leaves(ref_grads), jax.tree.leaves(grads)
+    assert len(flat) == len(flat_ref) == 1 + 3 + 6  # x, 3 kernels, 3 x (A, B)
+    for g, r in zip(flat, flat_ref):
+        assert float(jnp.max(jnp.abs(r))) > 0
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
+    errs["grad"] = max(float(jnp.max(jnp.abs(g - r))) for g, r in zip(flat, flat_ref))
+    # Expert gradients stay expert-sharded.
+    assert grads[1][0].sharding.spec[0] == axis
+    print(name, errs)
+    return errs
+
+
+@pytest.mark.parametrize("name", sorted(MESHES))
+@pytest.mark.parametrize("k,skewed", [(2, False), (4, True)])
+def test_matches_experts_ragged(name, k, skewed):
+    prob = _problem(k, skewed, seed=k)
+    if skewed:  # all pairs go to the owner of experts 4..7: the worst case the buffers are sized for
+        assert set(np.unique(np.asarray(prob["experts"]))) == set(range(4, 4 + k))
+    _check(prob, name)
+
+
+def test_without_lora():
+    prob = _problem(4, False, seed=7)
+    spec, axis, _ = MESHES["folded8"]
+    mesh = spec.make()
+    ref = experts_ragged(prob["x"], prob["weights"], prob["experts"], *prob["w"])
+    with rules.axis_rules(spec.rules()), jax.set_mesh(mesh):
+        out = jax.jit(experts_ep)(prob["x"], prob["weights"], prob["experts"], *prob["w"])
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_uses_all_to_all_and_keeps_expert_shards():
+    """The compiled program exchanges tokens (all-to-all) and never gathers the expert kernels."""
+    prob = _problem(2, False)
+    spec, axis, _ = MESHES["folded8"]
+    mesh = spec.make()
+    w = tuple(jax.device_put(a, NamedSharding(mesh, P(axis))) for a in prob["w"])
+    x = jax.device_put(prob["x"], NamedSharding(mesh, P(axis)))
+    with rules.axis_rules(spec.rules()), jax.set_mesh(mesh):
+        compiled = jax.jit(experts_ep).lower(x, prob["weights"], prob["experts"], *w).compile()
+    hlo = compiled.as_text()
+    assert "all-to-all" in hlo
+    assert "all-gather" not in hlo
+    assert compiled.input_shardings[0][3].spec == P(axis)
+
+
+def test_no_mesh_falls_back_to_experts_ragged():
+    prob = _problem(2, False)
+    out = experts_ep(prob["x"], prob["weights"], prob["experts"], *prob["w"])
+    ref = experts_ragged(prob["x"], prob["weights"], prob["experts"], *prob["w"])
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+
+def _ragged_all_to_all_by_gather(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                                 axis_name, axis_index_groups=None):
+    """`lax.ragged_all_to_all`'s semantics from all-gathers and scatters (XLA:CPU lacks the op).
+
+    Device s sends rows `[input_offsets[d], +send_sizes[d])` of its operand to device d, which
+    writes them at `output_offsets[d]` (an offset in d's output, as the sender states it).
+    """
+    assert axis_index_groups is None
+    me = jax.lax.axis_index(axis_name)
+    ops, ins, sizes, outs = (jax.lax.all_gather(a, axis_name) for a in (operand, input_offsets, send_sizes,
+                                                                          output_offsets))
+    rows = jnp.arange(operand.shape[0])
+    for s in range(ops.shape[0]):
+        start, size, dst = ins[s, me], sizes[s, me], outs[s, me]
+        target = jnp.where((rows >= start) & (rows < start + size), dst + rows - start, output.shape[0])
+        output = output.at[target].set(ops[s], mode="drop")
+    return output
+
+
+@pytest.mark.parametrize("name,k,skewed", [("folded8", 4, True), ("context4_expert2", 2, False)])
+def test_ragged_path_offsets_with_emulated_transport(monkeypatch, name, k, skewed):
+    """The GPU path's offsets/sizes bookkeeping, run on CPU through an emulated ragged_all_to_all."""
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", _ragged_all_to_all_by_gather)
+    prob = _problem(k, skewed, seed=11)
+    ref = experts_ragged(prob["x"], prob["weights"], prob["experts"], *prob["w"],
+                         nnx.merge(prob["graphdef"], prob["lora_state"]).trio())
+    spec, axis, _ = MESHES[name]
+    mesh = spec.make()
+    with rules.axis_rules(spec.rules()), jax.set_mesh(mesh):
+        out = jax.jit(lambda *a: experts_ep(*a, nnx.merge(prob["graphdef"], prob["lora_state"]).trio(),
+                                            impl="ragged"))(prob["x"], prob["weights"], prob["experts"], *prob["w"])
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_ragged_path_lowers_for_cuda():
+    """The real `ragged_all_to_all` path (and its gradient) lowers for CUDA on an abstract 8-GPU mesh."""
+    amesh = jax.sharding.AbstractMesh((8,), ("cp_ep",), axis_types=(AxisType.Auto,),
+                                      abstract_device=jax.sharding.AbstractDevice(
+                                          device_kind="NVIDIA H200", num_cores=132, platform="cuda"))
+    tok, exp = NamedSharding(amesh, P("cp_ep")), NamedSharding(amesh, P("cp_ep"))
+    args = [jax.ShapeDtypeStruct((T, D), jnp.float32, sharding=tok),
+            jax.ShapeDtypeStruct((T, 2), jnp.float32, sharding=tok),
+            jax.ShapeDtypeStruct((T, 2), jnp.int32, sharding=tok)]
+    args += [jax.ShapeDtypeStruct(s, jnp.float32, sharding=exp) for s in ((E, D, I), (E, D, I), (E, I, D))]
+
+    def loss(x, weights, experts, *w):
+        return experts_ep(x, weights, experts, *w, mesh=amesh, impl="ragged").sum()
+
+    checks = [jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")]
+    with rules.axis_rules(MESHES["folded8"][0].rules()), jax.sharding.use_abstract_mesh(amesh):
+        exported = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 3))), platforms=["cuda"],
+                                     disabled_checks=checks)(*args)
+    # 3 forward (rows, ids, results back) + the transposes of the two float ones.
+    assert exported.mlir_module().count("custom_call @ragged_all_to_all") >= 5
