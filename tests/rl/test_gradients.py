@@ -14,6 +14,7 @@ from glm52_jax.model.lora import FAMILIES, LoRA, LoRAConfig
 from glm52_jax.model.transformer import GlmMoeDsa
 from glm52_jax.rl import grpo
 from glm52_jax.rl.gradients import MODES, LossSettings, lora_gradients, sample_loss, _normalisers
+from lora_utils import fast_rngs, with_random_b
 
 OPTS = glm52_jax.ModelOptions(param_dtype=jnp.float32, indexer_query_block=16, indexer_key_block=16,
                               attention_query_block=8, lora=LoRAConfig(rank=4, alpha=8.0))
@@ -23,27 +24,9 @@ P, G, R = 40, 2, 6  # prompt longer than index_topk (32), so the prefix's top-k 
 CHUNK = 4  # logits in 2 chunks; also a jit cache key no other test file uses (see `runs`)
 
 
-def with_random_b(model, seed=0, std=0.05):
-    """Every B random, so every family gets a gradient through every path."""
-    graphdef, params, lora = nnx.split(model, nnx.Param, LoRA)
-    rng = np.random.default_rng(seed)  # numpy: no per-shape XLA compiles
-    flat = []
-    for path, var in nnx.to_flat_state(lora):
-        value = var.get_value()
-        if path[-1] in ("b", "b_k", "b_v"):
-            value = jnp.asarray(std * rng.standard_normal(value.shape), value.dtype)
-        flat.append((path, var.replace(value)))
-    return nnx.merge(graphdef, params, nnx.from_flat_state(flat))
-
-
-
-def _rngs():
-    """rbg keys: their random draws compile fast on XLA:CPU (eager init compiles every op once)."""
-    return nnx.Rngs(jax.random.key(0, impl="rbg"), lora=jax.random.key(1, impl="rbg"))
-
 @pytest.fixture(scope="module")
 def model():
-    return with_random_b(GlmMoeDsa(CFG, OPTS, rngs=_rngs()))
+    return with_random_b(GlmMoeDsa(CFG, OPTS, rngs=fast_rngs()))
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,47 @@
+"""Placing a model on a mesh and reading sharded results back, in one process or several.
+
+`place_model` gives every variable the NamedSharding its logical axes ask for (the same placement
+`load_pretrained(..., shardings=mesh)` makes from a checkpoint). It builds each array from the
+host value with `make_array_from_callback`, so under `jax.distributed` every process supplies
+only its own devices' slices (all processes must hold the same host values, e.g. the same seed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from glm52_jax.parallel.rules import logical_to_spec
+
+
+def sharding_for(var: nnx.Variable, mesh: jax.sharding.Mesh) -> NamedSharding:
+    """The NamedSharding of one model variable under the active rules table."""
+    value = var.get_value()
+    axes = var.get_metadata().get("out_sharding") or (None,) * value.ndim
+    return NamedSharding(mesh, logical_to_spec(axes, mesh_axes=mesh.axis_names))
+
+
+def place_model(model: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
+    """A copy of `model` with every variable (weights, LoRA, ...) sharded by its logical axes."""
+    graphdef, state = nnx.split(model)
+    leaves = []
+    for key, var in nnx.to_flat_state(state):
+        host = np.asarray(jax.device_get(var.get_value()))
+        placed = jax.make_array_from_callback(host.shape, sharding_for(var, mesh), lambda index, h=host: h[index])
+        leaves.append((key, var.replace(placed)))
+    return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+
+
+def to_host(tree: Any) -> Any:
+    """Every array of `tree` as a full numpy array on every process (an all-gather across hosts)."""
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            from jax.experimental import multihost_utils
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(jax.device_get(x))
+
+    return jax.tree.map(one, tree)

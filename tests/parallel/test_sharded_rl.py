@@ -1,0 +1,137 @@
+"""The RL path under meshes vs one device: gradient modes, indexer top-k, greedy decode, shardings.
+
+Both layouts of the parallel issue on 8 virtual devices: the seed's folded axis (sequence in
+attention and experts in the MoE on one 8-way axis) and context 4 x expert 2. The prompt (45) is
+longer than `index_topk` (32) and divides by neither 8 nor 4.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import glm52_jax
+from glm52_jax import config
+from glm52_jax.model.lora import LoRAConfig
+from glm52_jax.model.transformer import GlmMoeDsa
+from glm52_jax.parallel.mesh import parse_mesh
+from glm52_jax.parallel.placement import place_model
+from glm52_jax.parallel.rules import axis_rules
+from glm52_jax.rl.gradients import MODES, lora_gradients
+from glm52_jax.rollout.sampler import Sampler, SamplingParams
+from lora_utils import fast_rngs, with_random_b
+
+OPTS = glm52_jax.ModelOptions(param_dtype=jnp.float32, indexer_query_block=16, indexer_key_block=16,
+                              attention_query_block=8, lora=LoRAConfig(rank=4, alpha=8.0))
+# Dense + full indexer, then MoE + shared indexer: every layer kind in two layers (short compiles).
+CFG = config.tiny(num_hidden_layers=2, indexer_types=("full", "shared"))
+P, G, R = 45, 2, 6
+CHUNK = 3  # a jit cache key of its own (logits in two chunks)
+MESHES = ("folded=8", "context=4,expert=2")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return with_random_b(GlmMoeDsa(CFG, OPTS, rngs=fast_rngs()), seed=3)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    rng = np.random.default_rng(5)
+    mask = np.ones((G, R), np.float32)
+    mask[0, 5:] = 0
+    return dict(prompt=rng.integers(0, CFG.vocab_size, P).astype(np.int32),
+                responses=rng.integers(0, CFG.vocab_size, (G, R)).astype(np.int32), response_mask=mask,
+                advantages=np.array([0.9, -1.1], np.float32),
+                # Behaviour log-probs away from the new ones: ratios != 1, some tokens clipped.
+                old_logprobs=rng.normal(-6.2, 0.3, (G, R)).astype(np.float32))
+
+
+@pytest.fixture(scope="module")
+def reference(model, batch):
+    return {mode: lora_gradients(model, **batch, mode=mode, logprob_chunk=CHUNK) for mode in MODES}
+
+
+def _mesh(spec):
+    mesh_spec = parse_mesh(spec)
+    return mesh_spec, mesh_spec.make()
+
+
+def _rel_l2(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30))
+
+
+@pytest.mark.parametrize("spec", MESHES)
+def test_gradient_modes_match_one_device(model, batch, reference, spec):
+    mesh_spec, mesh = _mesh(spec)
+    with axis_rules(mesh_spec.rules()):
+        placed = place_model(model, mesh)
+        with jax.set_mesh(mesh):
+            results = {mode: lora_gradients(placed, **batch, mode=mode, logprob_chunk=CHUNK) for mode in MODES}
+    for mode in MODES:
+        ref, out = reference[mode], results[mode]
+        np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(ref.logprobs), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(float(out.loss), float(ref.loss), rtol=1e-5, atol=1e-7)
+        ref_leaves = nnx.to_flat_state(ref.grads)
+        out_leaves = dict(nnx.to_flat_state(out.grads))
+        worst = 0.0
+        for path, var in ref_leaves:
+            expected = np.asarray(var.get_value())
+            assert np.linalg.norm(expected) > 0, f"{path}: zero reference gradient (test would be vacuous)"
+            worst = max(worst, _rel_l2(expected, out_leaves[path].get_value()))
+        print(f"{spec} {mode}: worst per-array gradient rel-L2 {worst:.2e}")
+        assert worst <= 1e-5, (spec, mode, worst)
+    # The sharded gradients keep the parameters' layout: an expert LoRA gradient stays split by expert.
+    grads = dict(nnx.to_flat_state(results["conventional"].grads))
+    expert_grads = [v.get_value() for p, v in grads.items() if "mlp" in p and "gate" in "/".join(map(str, p))
+                    and v.get_value().ndim == 4]
+    assert expert_grads, "no routed-expert LoRA gradient found"
+    n_expert_ways = mesh.shape["cp_ep"] if spec.startswith("folded") else mesh.shape["expert"]
+    for g in expert_grads:
+        shard = g.addressable_shards[0].data
+        assert shard.shape[1] == g.shape[1] // n_expert_ways, (g.shape, shard.shape)
+
+
+@pytest.mark.parametrize("spec", MESHES)
+def test_topk_and_activations_are_sharded_and_equal(model, spec):
+    ids = jnp.asarray(np.random.default_rng(7).integers(0, CFG.vocab_size, (1, 48)), jnp.int32)
+    run = jax.jit(lambda st, x: nnx.merge(graphdef, st).hidden_states(x, return_topk=True))
+    graphdef, state = nnx.split(model)
+    h_ref, topk_ref = run(state, ids)
+    mesh_spec, mesh = _mesh(spec)
+    with axis_rules(mesh_spec.rules()):
+        graphdef, state = nnx.split(place_model(model, mesh))
+        with jax.set_mesh(mesh):
+            h, topk = run(state, ids)
+    np.testing.assert_allclose(np.asarray(h), np.asarray(h_ref), rtol=1e-5, atol=1e-5)
+    assert set(topk) == set(topk_ref) == {0}  # layer 0 is the only full indexer layer
+    got, want = np.asarray(topk[0]), np.asarray(topk_ref[0])
+    for q in range(ids.shape[1]):
+        # Causal top-k as sets (the order of equal scores is not part of the contract); -1 pads.
+        assert set(got[0, q][got[0, q] >= 0]) == set(want[0, q][want[0, q] >= 0]), q
+    # Each device holds 1/N of the sequence of the sequence-sharded hidden states.
+    seq_ways = mesh.shape["cp_ep"] if spec.startswith("folded") else mesh.shape["context"]
+    assert {s.data.shape[1] for s in h.addressable_shards} == {48 // seq_ways}
+
+
+@pytest.mark.parametrize("spec", MESHES)
+def test_greedy_decode_matches_and_cache_is_sharded(model, spec):
+    prompt = np.random.default_rng(9).integers(0, CFG.vocab_size, P).tolist()
+    params = SamplingParams(num_samples=G, max_new_tokens=R, temperature=0.0)
+    quiet = dict(chunk_size=16, capacity_multiple=16, progress=lambda *a: None)
+    ref = Sampler(model, **quiet).sample(prompt, params)
+    mesh_spec, mesh = _mesh(spec)
+    with axis_rules(mesh_spec.rules()):
+        sampler = Sampler(place_model(model, mesh), **quiet)
+        with jax.set_mesh(mesh):
+            cache, _, _ = sampler.prefill(prompt, 64)
+            out = sampler.sample(prompt, params)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    np.testing.assert_allclose(out.logprobs, ref.logprobs, rtol=1e-5, atol=1e-5)
+    seq_ways = mesh.shape["cp_ep"] if spec.startswith("folded") else mesh.shape["context"]
+    stacks = [a for a in (*cache.c_kv, *cache.k_rope, *cache.index_k) if a.size]  # skip empty index_k
+    assert len(stacks) == 5  # two segments' latents and rope keys, one segment's indexer keys
+    for stack in stacks:
+        assert {s.data.shape[3] for s in stack.addressable_shards} == {64 // seq_ways}, stack.sharding
