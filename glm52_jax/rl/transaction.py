@@ -10,6 +10,7 @@ length against the position capacity, an existing receipt) is checked before the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -236,8 +237,12 @@ def set_aside_uncommitted(evidence_dir: Path, committed: int, log: Callable[[str
     return moved
 
 
-def build_policy(c, plan: Plan):
-    """The base model (checkpoint or seeded init) with fresh LoRA adapters, and its AdamW state."""
+def build_policy(c, plan: Plan, mesh=None):
+    """The base model (checkpoint or seeded init) with fresh LoRA adapters, and its AdamW state.
+
+    With a `mesh` (and its rules table active) every weight, adapter and optimizer moment is
+    sharded by its logical axes; checkpoint weights are read slice by slice per device.
+    """
     import jax.numpy as jnp
     from flax import nnx
 
@@ -245,6 +250,7 @@ def build_policy(c, plan: Plan):
     from glm52_jax.model.lora import LoRAConfig, attach_lora
     from glm52_jax.model.options import ModelOptions
     from glm52_jax.model.transformer import GlmMoeDsa
+    from glm52_jax.parallel.placement import place_model
     from glm52_jax.rl.update import AdamWConfig, LoRAOptimizer
 
     m, t = c.model, c.train
@@ -252,14 +258,34 @@ def build_policy(c, plan: Plan):
     if plan.checkpoint is None:
         base = GlmMoeDsa(plan.model_cfg, ModelOptions(param_dtype=dtype), rngs=nnx.Rngs(c.seed))
     else:
-        base = load_pretrained(plan.checkpoint, dtype=dtype, rope_scaling=rope_scaling(c)[0])
+        base = load_pretrained(plan.checkpoint, dtype=dtype, shardings=mesh, rope_scaling=rope_scaling(c)[0])
     if base.cfg != plan.model_cfg:
         raise ConfigError("the loaded model's config differs from the checked one")  # a bug, not bad input
     lora_cfg = LoRAConfig(rank=m.lora_rank, alpha=float(m.lora_alpha), families=frozenset(m.lora_families))
     model = attach_lora(base, lora_cfg, seed=c.seed)
+    if mesh is not None:
+        model = place_model(model, mesh)  # the adapters (and a seeded base); placed weights stay put
     optimizer = LoRAOptimizer(model, AdamWConfig(learning_rate=float(t.learning_rate), weight_decay=float(t.weight_decay),
                                                  max_grad_norm=t.max_grad_norm))
     return model, optimizer
+
+
+def train_mesh(c):
+    """(MeshSpec, Mesh) for train mode, or (spec, None) on one device; a mesh the process cannot
+    build is a config error (before any model work)."""
+    import jax
+
+    spec = mesh_spec(c)
+    if spec.size == 1:
+        return spec, None
+    if jax.process_count() > 1:
+        raise ConfigError(f"mesh={c.mesh!r}: train mode runs in one process so far (multi-host sampling, evidence "
+                          "and checkpoints are not wired yet); --mode=plan compiles the programs for this mesh")
+    if jax.device_count() < spec.size:
+        raise ConfigError(f"mesh={c.mesh!r} needs {spec.size} devices, this process has {jax.device_count()} "
+                          f"({jax.devices()[0].platform}); on CPU set "
+                          f"XLA_FLAGS=--xla_force_host_platform_device_count={spec.size}")
+    return spec, spec.make(jax.devices()[:spec.size])
 
 
 def base_name(plan: Plan, c) -> str:
@@ -294,10 +320,8 @@ def run_online(c, workdir: str | os.PathLike, *, log: Callable[[str], None] = pr
     """
     workdir = Path(workdir)
     plan = check_config(c)
-    if mesh_spec(c).size > 1:
-        raise ConfigError(f"mesh={c.mesh!r}: train mode runs on one device so far (sharded sampling and update "
-                          "are not wired into the launcher yet); --mode=plan compiles the programs for this mesh")
-    from glm52_jax.checkpoint.train_state import RunCheckpoints, RunState
+    spec, mesh = train_mesh(c)
+    from glm52_jax.checkpoint.train_state import RunCheckpoints
 
     expect = {"config_sha256": resume_config_hash(c), "base": base_name(plan, c)}
     ckpts = RunCheckpoints(workdir / "checkpoints")
@@ -320,10 +344,27 @@ def run_online(c, workdir: str | os.PathLike, *, log: Callable[[str], None] = pr
 
     import jax
 
+    from glm52_jax.parallel.rules import axis_rules
+
+    with contextlib.ExitStack() as stack:
+        if mesh is not None:
+            stack.enter_context(axis_rules(spec.rules()))
+        # Built before the mesh is set: nnx would read the params' logical names as mesh axes.
+        model, optimizer = build_policy(c, plan, mesh)
+        if mesh is not None:  # every program below is traced and run on the mesh
+            stack.enter_context(jax.set_mesh(mesh))
+            log(f"mesh {spec.describe()} over {spec.size} {jax.devices()[0].platform} devices")
+        return _run_steps(c, plan, workdir, ckpts, latest, expect, event, log, model, optimizer)
+
+
+def _run_steps(c, plan: Plan, workdir: Path, ckpts, latest: int, expect: dict, event, log, model,
+               optimizer) -> dict[str, Any]:
+    import jax
+
+    from glm52_jax.checkpoint.train_state import RunState
     from glm52_jax.rollout.sampler import Sampler
 
     s, t = c.sampling, c.train
-    model, optimizer = build_policy(c, plan)
     if latest:
         state = ckpts.restore(latest, model, optimizer)
         event("resumed", step=latest, cursor=state.cursor)
@@ -487,7 +528,8 @@ def _transaction(c, plan: Plan, step: int, step_key, cursor: int, model, optimiz
                   "layers": cfg.num_hidden_layers, "full_indexer_layers": cfg.indexer_types.count("full"),
                   "lora": {"rank": m.lora_rank, "alpha": m.lora_alpha, "families": sorted(m.lora_families)}},
         "positions": {"rope_type": cfg.rope.rope_type, "max_position_embeddings": cfg.max_position_embeddings},
-        "topology": {"platform": devices[0].platform, "devices": len(devices), "processes": jax.process_count()},
+        "topology": {"platform": devices[0].platform, "devices": len(devices), "processes": jax.process_count(),
+                     "mesh": mesh_spec(c).describe(), "mesh_devices": mesh_spec(c).size},
         "config": {"name": c.name, "sha256": config_hash(c.to_dict()), "resume_sha256": resume_config_hash(c)},
         "candidate_search": {"max_candidates": c.search.max_candidates, "tried": len(candidates),
                              "accepted": None if accepted is None else accepted[0]},

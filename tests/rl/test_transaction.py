@@ -313,10 +313,34 @@ def test_2m_config_is_the_seeds_run(monkeypatch):
         check_config(c)
 
 
-def test_train_mode_refuses_a_multi_device_mesh(tmp_path):
-    with pytest.raises(ConfigError, match="one device"):
-        run_online(_config(**{"mesh": "context=4,expert=2"}), tmp_path / "w", log=lambda msg: None)
+def test_train_mode_refuses_a_mesh_larger_than_the_devices(tmp_path):
+    with pytest.raises(ConfigError, match="needs 16 devices.*xla_force_host_platform_device_count=16"):
+        run_online(_config(**{"mesh": "context=16"}), tmp_path / "w", log=lambda msg: None)
     assert not (tmp_path / "w").exists()
+
+
+def test_sharded_transaction_matches_one_device(runs, tmp_path):
+    """Step 1 on context 4 x expert 2 (8 devices) vs the single-device run: same candidates, tokens
+    and rewards, log-probs / loss / gradient norm within float32 tolerance, adapters sharded."""
+    lines = []
+    summary = run_online(_config(**{"mesh": "context=4,expert=2"}), tmp_path / "w", log=lines.append)
+    assert summary["status"] == "updated", summary
+    assert any(line.startswith("mesh DP1/TP1/CP4/EP2/PP1 over 8") for line in lines), lines
+    one, sharded = _receipt(runs["inproc"][0], 1), _receipt(tmp_path / "w", 1)
+    assert verify(sharded) == []
+    a, b = json.loads(one.read_text()), json.loads(sharded.read_text())
+    assert b["topology"]["mesh"] == "DP1/TP1/CP4/EP2/PP1" and b["topology"]["mesh_devices"] == 8
+    assert a["topology"]["mesh_devices"] == 1
+    assert a["candidate_search"] == b["candidate_search"] and a["rewards"] == b["rewards"]
+    assert a["completions"] == b["completions"]
+    art_a, art_b = one.parent / "artifacts", sharded.parent / "artifacts"
+    for name in ("prompt_token_ids.npy", "completion_tokens.npy", "responses.npy", "response_mask.npy"):
+        np.testing.assert_array_equal(np.load(art_b / name), np.load(art_a / name), err_msg=name)
+    for name in ("old_logprobs.npy", "new_logprobs.npy"):
+        np.testing.assert_allclose(np.load(art_b / name), np.load(art_a / name), rtol=1e-5, atol=1e-5, err_msg=name)
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose(b["training"][key], a["training"][key], rtol=1e-5, err_msg=key)
+    assert b["training"]["optimizer_steps"] == 1
 
 
 def test_prefill_progress_reaches_the_console_for_long_prompts():
