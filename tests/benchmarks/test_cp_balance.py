@@ -1,0 +1,37 @@
+"""benchmarks/cp_balance.py: closed forms vs brute force, and the layouts' known balance."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cp_balance.py"
+spec = importlib.util.spec_from_file_location("cp_balance_under_test", SCRIPT)
+cb = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = cb
+spec.loader.exec_module(cb)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_closed_forms_match_brute_force(layout):
+    seq_len, devices, k = 96, 4, 10
+    t = np.arange(seq_len)
+    report = cb.balance(seq_len, devices, k)["layouts"][layout]
+    parts = cb.ranges(layout, seq_len, devices)
+    owned = sorted(i for p in parts for lo, hi in p for i in range(lo, hi))
+    assert owned == list(range(seq_len))  # every token on exactly one device
+    pairs = [sum(int(np.sum(t[lo:hi] + 1)) for lo, hi in p) for p in parts]
+    keys = [sum(int(np.sum(np.minimum(t[lo:hi] + 1, k))) for lo, hi in p) for p in parts]
+    assert report["indexer_pairs"]["max"] == max(pairs) and report["indexer_pairs"]["min"] == min(pairs)
+    assert report["attention_keys"]["max"] == max(keys) and report["attention_keys"]["min"] == min(keys)
+
+
+def test_zigzag_balances_the_causal_indexer():
+    report = cb.balance(2_097_152, 32, 2048)["layouts"]
+    assert report["zigzag"]["indexer_pairs"]["imbalance"] == 1.0
+    # Contiguous: the last device scores (2N-1)/N of the mean (plus a 1/S term).
+    assert report["contiguous"]["indexer_pairs"]["imbalance"] == pytest.approx(63 / 32, rel=1e-5)
+    with pytest.raises(ValueError, match="divisible"):
+        cb.ranges("zigzag", 100, 32)
