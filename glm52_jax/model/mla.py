@@ -22,6 +22,7 @@ from glm52_jax.model.layers import RMSNorm, param, project
 from glm52_jax.model.lora import KVBAdapter, adapter, targets
 from glm52_jax.model.options import ModelOptions
 from glm52_jax.model.sparse_attention import array_rows, cached_rows, sparse_mla_rows
+from glm52_jax.parallel import context
 from glm52_jax.parallel.rules import constrain
 
 
@@ -72,37 +73,49 @@ class Attention(nnx.Module):
         kv = project(x, self.kv_a_proj_with_mqa, "bsd,dc->bsc", self.kv_a_proj_with_mqa_lora)
         c_kv = self.kv_a_layernorm(kv[..., : cfg.kv_lora_rank])
         k_rope = rope_lib.apply_interleaved_rope(kv[..., cfg.kv_lora_rank:], cos, sin)
-        ik = None
+        iq = iw = ik = None
         if self.indexer is not None:
             iq, ik, iw = self.indexer.project(x, q_resid, cos, sin)
 
-        blocks = dict(query_block=self.opts.indexer_query_block, key_block=self.opts.indexer_key_block)
-        iscale = cfg.index_head_dim ** -0.5
-        if self.indexer is None:
-            if prev_topk is None:
-                raise ValueError("a 'shared' indexer layer needs the previous full layer's top-k")
-            topk = prev_topk
-        elif cache is None:
-            topk = streaming_topk(iq, iw, ik, positions, positions, cfg.index_topk, scale=iscale, **blocks)
-        else:
-            # Cached keys and the chunk's own keys are scored separately and merged, so the cache
-            # is only read (in place) here and written once per chunk by the caller.
-            past = cached_topk(iq, iw, cache.index_k, cache.index_slot, positions, cache.length, cfg.index_topk,
-                               scale=iscale, **blocks)
-            vals, idx = streaming_topk(iq, iw, ik, positions, positions, cfg.index_topk, scale=iscale,
-                                       return_scores=True, **blocks)
-            own = (vals, jnp.where(idx >= 0, idx + cache.length, idx))
-            topk = merge_topk(past, own, min(cfg.index_topk, cache.capacity))
-
-        if cache is None:
-            rows = array_rows(c_kv, k_rope)
-        else:
-            rows = cached_rows(cache.c_kv, cache.k_rope, cache.slot, cache.length, c_kv, k_rope)
         kv_b = self.kv_b_proj_lora
         q_lat = project(q_nope, self.w_uk, "bshn,chn->bshc", None if kv_b is None else kv_b.key)
         q_lat = constrain(q_lat, ("batch", "seq", "heads", "kv_lora"))
-        out_lat = sparse_mla_rows(q_lat, q_rope, rows, topk, scale=cfg.softmax_scale,
-                                  query_block=self.opts.attention_query_block)
+        if self.indexer is None and prev_topk is None:
+            raise ValueError("a 'shared' indexer layer needs the previous full layer's top-k")
+        blocks = dict(query_block=self.opts.indexer_query_block, key_block=self.opts.indexer_key_block)
+        iscale = cfg.index_head_dim ** -0.5
+        layout = context.current() if cache is None else None
+        if layout is not None:  # explicit context parallelism: sharded queries, gathered key side
+            out_lat, topk = context.cp_sparse_attention(
+                layout, q_lat, q_rope, c_kv, k_rope, positions, None if self.indexer is None else (iq, iw, ik),
+                prev_topk if self.indexer is None else None, index_topk=cfg.index_topk, index_scale=iscale,
+                softmax_scale=cfg.softmax_scale, indexer_query_block=blocks["query_block"],
+                indexer_key_block=blocks["key_block"], attention_query_block=self.opts.attention_query_block)
+        else:
+            topk = self._topk(iq, iw, ik, positions, prev_topk, cache, iscale, blocks)
+            if cache is None:
+                rows = array_rows(c_kv, k_rope)
+            else:
+                rows = cached_rows(cache.c_kv, cache.k_rope, cache.slot, cache.length, c_kv, k_rope)
+            out_lat = sparse_mla_rows(q_lat, q_rope, rows, topk, scale=cfg.softmax_scale,
+                                      query_block=self.opts.attention_query_block)
         out = project(out_lat, self.w_uv, "bshc,chv->bshv", None if kv_b is None else kv_b.value)
         y = project(out, self.o_proj, "bshv,hvd->bsd", self.o_proj_lora)
         return constrain(y, ("batch", "seq", "embed")), topk, (c_kv, k_rope, ik)
+
+    def _topk(self, iq, iw, ik, positions, prev_topk, cache, iscale, blocks):
+        """Top-k key slots [B,S,K]: a shared layer's inherited one, or this layer's indexer over the
+        sequence (no cache) or over the cache plus the chunk."""
+        cfg = self.cfg
+        if self.indexer is None:
+            return prev_topk
+        if cache is None:
+            return streaming_topk(iq, iw, ik, positions, positions, cfg.index_topk, scale=iscale, **blocks)
+        # Cached keys and the chunk's own keys are scored separately and merged, so the cache
+        # is only read (in place) here and written once per chunk by the caller.
+        past = cached_topk(iq, iw, cache.index_k, cache.index_slot, positions, cache.length, cfg.index_topk,
+                           scale=iscale, **blocks)
+        vals, idx = streaming_topk(iq, iw, ik, positions, positions, cfg.index_topk, scale=iscale,
+                                   return_scores=True, **blocks)
+        own = (vals, jnp.where(idx >= 0, idx + cache.length, idx))
+        return merge_topk(past, own, min(cfg.index_topk, cache.capacity))

@@ -16,6 +16,9 @@ class ModelOptions:
     `param_dtype` is also the activation dtype; the router, its correction bias and the indexer's
     `weights_proj` stay float32 whatever it is. Use float32 for parity checks.
     `lora`: low-rank adapters on the frozen base (see `model.lora`); None (default) builds none.
+    `context_parallel`: how a whole-sequence forward runs attention when a mesh shards `seq`:
+    "zigzag" (load-balanced layout) or "contiguous" explicit CP (`parallel.context`), or "off"
+    (GSPMD places it). Cached chunks (prefill, decode) are not affected.
     """
 
     param_dtype: object = jnp.bfloat16
@@ -24,6 +27,7 @@ class ModelOptions:
     attention_query_block: int = 64
     remat: bool = True
     lora: LoRAConfig | None = None
+    context_parallel: str = "zigzag"
 
     def __post_init__(self):
         for name in ("indexer_query_block", "indexer_key_block", "attention_query_block"):
@@ -31,5 +35,8 @@ class ModelOptions:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelOptions.{name}: expected a positive integer, got {value!r}")
         object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
+        if self.context_parallel not in ("zigzag", "contiguous", "off"):
+            raise ValueError(f"ModelOptions.context_parallel: expected 'zigzag', 'contiguous' or 'off', "
+                             f"got {self.context_parallel!r}")
         if self.lora is not None and not isinstance(self.lora, LoRAConfig):
             raise ValueError(f"ModelOptions.lora: expected a LoRAConfig or None, got {self.lora!r}")

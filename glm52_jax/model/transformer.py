@@ -26,6 +26,7 @@ from glm52_jax.model.mla import Attention
 from glm52_jax.model.moe import MLP, MoE
 from glm52_jax.model.kv_cache import KVCache, LayerCacheView, init_cache, write_chunk
 from glm52_jax.model.options import ModelOptions
+from glm52_jax.parallel import context
 from glm52_jax.parallel.rules import constrain
 
 LayerKind = tuple[str, str]  # (mlp type, indexer type)
@@ -163,10 +164,29 @@ class GlmMoeDsa(nnx.Module):
 
         `positions: [S]` int32 defaults to `arange(S)`; it drives RoPE and causality.
         """
+        layout = None
         if positions is None:
             positions = jnp.arange(input_ids.shape[-1], dtype=jnp.int32)
-        h, produced, _ = self._run(input_ids, positions, None)
+            # Explicit context parallelism needs keys in position order (true for arange).
+            layout = context.plan_layout(input_ids.shape[-1], self.opts.context_parallel)
+        if layout is None:
+            h, produced, _ = self._run(input_ids, positions, None)
+        else:
+            h, produced = self._run_context_parallel(input_ids, positions, layout)
         return (h, produced) if return_topk else h
+
+    def _run_context_parallel(self, input_ids, positions, layout):
+        """`_run` on the padded sequence in the layout's order; results back in sequence order."""
+        seq = input_ids.shape[-1]
+        ids, pos = context.pad_sequence(input_ids, positions, layout)
+        ids, pos = context.to_layout(ids, layout), context.to_layout(pos, layout, axis=0)
+        with context.active(layout):
+            h, produced, _ = self._run(ids, pos, None)
+        h = context.from_layout(h, layout)[:, :seq]
+        # Keys past the real sequence are never visible to a real query: their slots are INVALID.
+        k = min(self.cfg.index_topk, seq)
+        produced = {layer: context.from_layout(t, layout)[:, :seq, :k] for layer, t in produced.items()}
+        return h, produced
 
     def forward_cached(self, input_ids: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """Runs a chunk after the cached tokens: `input_ids: [B,S]` at positions `length .. length+S-1`.
