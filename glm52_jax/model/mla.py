@@ -85,7 +85,15 @@ class Attention(nnx.Module):
         blocks = dict(query_block=self.opts.indexer_query_block, key_block=self.opts.indexer_key_block)
         iscale = cfg.index_head_dim ** -0.5
         layout = context.current() if cache is None else None
-        if layout is not None:  # explicit context parallelism: sharded queries, gathered key side
+        sharded_cache = None if cache is None else context.cached_layout(
+            x.shape[0] * x.shape[1], cache.capacity, self.opts.context_parallel)
+        if sharded_cache is not None:  # each device scores and attends to the cache slots it holds
+            out_lat, topk = context.cp_cached_attention(
+                sharded_cache[0], q_lat, q_rope, c_kv, k_rope, positions, cache,
+                None if self.indexer is None else (iq, iw, ik), prev_topk if self.indexer is None else None,
+                index_topk=cfg.index_topk, index_scale=iscale, softmax_scale=cfg.softmax_scale,
+                indexer_query_block=blocks["query_block"], indexer_key_block=blocks["key_block"])
+        elif layout is not None:  # explicit context parallelism: sharded queries, gathered key side
             out_lat, topk = context.cp_sparse_attention(
                 layout, q_lat, q_rope, c_kv, k_rope, positions, None if self.indexer is None else (iq, iw, ik),
                 prev_topk if self.indexer is None else None, index_topk=cfg.index_topk, index_scale=iscale,

@@ -166,3 +166,112 @@ def cp_sparse_attention(lay: Layout, q_lat, q_rope, c_kv, k_rope, positions, ind
                        # output is sharded on `axes`, so varying-axis typing adds nothing here.
                        check_vma=False)
     return fn(q_lat, q_rope, c_kv, k_rope, positions, index, prev_topk)
+
+
+# -- chunks against a sequence-sharded cache (decode, short chunks) --------------------------------
+
+# Chunks with at most this many queries (batch x chunk) take the explicit path below; every device
+# holds all of their query-side tensors and [B,S,N*K] top-k candidates. Longer prefill chunks stay
+# with GSPMD (their candidates would need blocking over queries).
+MAX_CACHED_QUERIES = 256
+
+
+def cached_layout(num_queries: int, capacity: int, layout: str, mesh=None) -> tuple[tuple[str, ...], int] | None:
+    """(sequence mesh axes, ways) when a cached chunk of `num_queries` (batch x chunk) should run
+    `cp_cached_attention`: a mesh splits the cache's slots evenly and the chunk is short."""
+    if layout == "off" or num_queries > MAX_CACHED_QUERIES:
+        return None
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    if mesh is None or mesh.empty:
+        return None
+    axes = seq_axes(mesh)
+    ways = math.prod(mesh.shape[a] for a in axes) if axes else 1
+    if ways == 1 or capacity % ways:
+        return None
+    return axes, ways
+
+
+def cp_cached_attention(axes: tuple[str, ...], q_lat, q_rope, c_new, r_new, positions, cache, index, prev_topk, *,
+                        index_topk: int, index_scale: float, softmax_scale: float, indexer_query_block: int,
+                        indexer_key_block: int):
+    """A chunk's sparse MLA over a cache whose slot axis is sharded on `axes`.
+
+    Each device scores only its own cache slots with the indexer; the per-device candidates are
+    all-gathered and merged with the chunk's own keys into the exact global top-k; each device
+    attends to the selected keys it holds (cache rows in its slot range, and chunk rows whose
+    slots it will own) and the partial softmax results are combined with a log-sum-exp.
+
+    q_lat: [B,S,H,C], q_rope: [B,S,H,R], c_new: [B,S,C], r_new: [B,S,R], positions: [S];
+    cache: a `LayerCacheView` (stacks [reps, U|F, B, Cap, *]); index: (iq, iw, ik_new) for a layer
+    with its own indexer, else None and `prev_topk: [B,S,K]` (global slots). Returns (out_lat
+    [B,S,H,C], top-k [B,S,K] global slots), replicated over `axes`.
+    """
+    from glm52_jax.model.indexer import cached_topk, merge_topk
+
+    replicated = P()
+    slots = P(None, None, None, axes, None)
+    capacity = cache.c_kv.shape[-2]
+    topk_k = min(index_topk, capacity)
+
+    def per_device(q_lat, q_rope, c_new, r_new, positions, cache_c, cache_r, cache_i, slot, index_slot, length,
+                   index, prev_topk):
+        local_cap = cache_c.shape[-2]
+        base = jax.lax.axis_index(axes) * local_cap
+        if index is not None:
+            iq, iw, ik_new = index
+            local_len = jnp.clip(length - base, 0, local_cap)
+            vals, idx = cached_topk(iq, iw, cache_i, index_slot, positions, local_len, index_topk, scale=index_scale,
+                                    query_block=indexer_query_block, key_block=indexer_key_block)
+            idx = jnp.where(idx >= 0, idx + base, idx)
+            # [N,B,S,k] -> [B,S,N*k]: device order is slot order, so ties keep the lowest slot.
+            cand = tuple(jnp.moveaxis(jax.lax.all_gather(a, axes), 0, 2).reshape(*a.shape[:2], -1) for a in (vals, idx))
+            own_vals, own_idx = streaming_topk(iq, iw, ik_new, positions, positions, index_topk, scale=index_scale,
+                                               return_scores=True, query_block=indexer_query_block,
+                                               key_block=indexer_key_block)
+            topk = merge_topk(cand, (own_vals, jnp.where(own_idx >= 0, own_idx + length, own_idx)), topk_k)
+        else:
+            topk = prev_topk
+        out = _partial_attention(q_lat, q_rope, topk, cache_c, cache_r, slot, c_new, r_new, length, base, local_cap,
+                                 softmax_scale, axes)
+        return out, topk
+
+    index_specs = None if index is None else (replicated,) * 3
+    topk_spec = None if prev_topk is None else replicated
+    has_index = cache.index_k is not None
+    fn = jax.shard_map(
+        per_device,
+        in_specs=(replicated,) * 5 + (slots, slots, slots if has_index else None, replicated,
+                                      replicated if has_index else None, replicated, index_specs, topk_spec),
+        out_specs=(replicated, replicated), axis_names=frozenset(axes), check_vma=False)
+    return fn(q_lat, q_rope, c_new, r_new, positions, cache.c_kv, cache.k_rope, cache.index_k, cache.slot,
+              cache.index_slot, cache.length, index, prev_topk)
+
+
+def _partial_attention(q_lat, q_rope, topk, cache_c, cache_r, slot, c_new, r_new, length, base, local_cap, scale,
+                       axes):
+    """Softmax attention over the selected keys this device holds, combined across `axes` by
+    log-sum-exp: out = sum_d exp(m_d - M) o_d / sum_d exp(m_d - M) l_d."""
+    lead = tuple(jnp.asarray(i, jnp.int32) for i in slot)
+    b = jnp.arange(topk.shape[0], dtype=jnp.int32)[:, None, None]
+    valid = topk >= 0
+    local = topk - base
+    in_cache = topk < length
+    mine = valid & (topk // local_cap == base // local_cap)  # slot s lives on device s // local_cap
+    rows = []
+    for cached, fresh in ((cache_c, c_new), (cache_r, r_new)):
+        past = cached[(*lead, b, jnp.clip(local, 0, local_cap - 1))]  # [B,S,K,*]
+        chunk = jax.vmap(lambda r, i: r[i])(fresh, jnp.clip(topk - length, 0, fresh.shape[1] - 1))
+        rows.append(jnp.where(in_cache[..., None], past, chunk.astype(past.dtype)).astype(q_lat.dtype))
+    kv, kr = rows
+    logits = jnp.einsum("bshc,bskc->bshk", q_lat, kv, preferred_element_type=jnp.float32)
+    logits = (logits + jnp.einsum("bshr,bskr->bshk", q_rope, kr, preferred_element_type=jnp.float32)) * scale
+    keep = mine[:, :, None, :]
+    m = jnp.max(jnp.where(keep, logits, -jnp.inf), axis=-1)  # [B,S,H]; -inf: nothing here
+    # The combine is exact for any shift, so the shift carries no gradient.
+    m_all = jax.lax.pmax(jax.lax.stop_gradient(m), axes)
+    m_all = jnp.where(jnp.isfinite(m_all), m_all, 0.0)
+    p = jnp.where(keep, jnp.exp(logits - m_all[..., None]), 0.0)
+    denom = jax.lax.psum(jnp.sum(p, axis=-1), axes)  # [B,S,H]
+    num = jax.lax.psum(jnp.einsum("bshk,bskc->bshc", p.astype(kv.dtype), kv, preferred_element_type=jnp.float32),
+                       axes)
+    return jnp.where(denom[..., None] > 0, num / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0).astype(q_lat.dtype)

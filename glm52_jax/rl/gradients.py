@@ -172,7 +172,9 @@ def _conventional(graphdef, lora, frozen, prompt, batch, settings, norm, chunk, 
 
 def _response_only(graphdef, lora, frozen, prompt, batch, settings, norm, chunk, prefix):
     if prefix is None:  # one program with its own prefill (`lora_gradients` prefills separately)
-        prefix = _prefill_state(graphdef, lora, frozen, prompt, capacity=prompt.shape[0] - 1 + batch[0].shape[1])
+        prefix = _prefill_state(graphdef, lora, frozen, prompt,
+                                capacity=prefix_capacity(_max_positions(graphdef, lora, frozen), prompt.shape[0],
+                                                         batch[0].shape[1]))
     cache = jax.lax.stop_gradient(prefix)  # a constant: no gradient through the prefix
 
     def logprobs(lora, response):
@@ -182,7 +184,7 @@ def _response_only(graphdef, lora, frozen, prompt, batch, settings, norm, chunk,
 
 
 def _shared_prefix(graphdef, lora, frozen, prompt, batch, settings, norm, chunk, prefix=None):
-    capacity = prompt.shape[0] - 1 + batch[0].shape[1]
+    capacity = prefix_capacity(_max_positions(graphdef, lora, frozen), prompt.shape[0], batch[0].shape[1])
     length = jnp.asarray(prompt.shape[0] - 1, jnp.int32)
 
     def prefix_arrays(lora):
@@ -218,6 +220,21 @@ def _compute(graphdef, lora, frozen, prompt, responses, mask, old, adv, prefix, 
 
 
 _compute_jit = jax.jit(_compute, static_argnames=("graphdef", "mode", "settings", "chunk"))
+
+
+CAPACITY_MULTIPLE = 256
+
+
+def _max_positions(graphdef, lora, frozen) -> int:
+    return nnx.merge(graphdef, lora, frozen).cfg.max_position_embeddings
+
+
+def prefix_capacity(max_positions: int, prompt_len: int, response_len: int) -> int:
+    """Cache slots for the prefix plus one response (P-1+R), rounded up to a multiple of 256 (as the
+    sampler's) so a mesh can split them evenly; unused slots are never visible to a query."""
+    need = prompt_len - 1 + response_len
+    rounded = -(-need // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
+    return max(need, min(rounded, max_positions))
 
 
 def _prefill_state(graphdef, lora, frozen, prompt, *, capacity):
@@ -291,7 +308,7 @@ def lora_gradients(model: nnx.Module, prompt, responses, response_mask, old_logp
         prefix_cache = _prefix_for_response(prefix_cache, prompt.shape[0], responses.shape[1])
     graphdef, lora, frozen = split_lora(model)
     if mode == "response_only" and prefix_cache is None:
-        capacity = prompt.shape[0] - 1 + responses.shape[1]
+        capacity = prefix_capacity(model.cfg.max_position_embeddings, prompt.shape[0], responses.shape[1])
         prefix_cache = (_prefill_jit if jit else _prefill_state)(graphdef, lora, frozen, prompt, capacity=capacity)
     fn = _compute_jit if jit else _compute
     grads, losses, logps, metrics = fn(graphdef, lora, frozen, prompt, responses, mask, old, adv, prefix_cache,

@@ -21,6 +21,7 @@ from glm52_jax.parallel.mesh import parse_mesh
 from glm52_jax.parallel.placement import place_model
 from glm52_jax.parallel.rules import axis_rules
 from glm52_jax.rl.gradients import MODES, lora_gradients
+from glm52_jax.model.kv_cache import broadcast_batch
 from glm52_jax.rollout.sampler import Sampler, SamplingParams
 from lora_utils import fast_rngs, with_random_b
 
@@ -130,6 +131,11 @@ def test_greedy_decode_matches_and_cache_is_sharded(model, spec):
         with jax.set_mesh(mesh):
             cache, _, _ = sampler.prefill(prompt, 64)
             out = sampler.sample(prompt, params)
+            # The decode step runs the explicit path: local indexer scores, merged candidates,
+            # attention where the keys live, log-sum-exp combine (a pmax + psums).
+            step = jax.make_jaxpr(lambda st, c, ids: nnx.merge(sampler.graphdef, st).forward_cached(ids, c))(
+                sampler.state, broadcast_batch(cache, G), jnp.zeros((G, 1), jnp.int32))
+            assert "pmax" in str(step) and "all_gather" in str(step)
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     np.testing.assert_allclose(out.logprobs, ref.logprobs, rtol=1e-5, atol=1e-5)
     seq_ways = mesh.shape["cp_ep"] if spec.startswith("folded") else mesh.shape["context"]
