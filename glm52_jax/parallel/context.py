@@ -243,8 +243,13 @@ def cp_cached_attention(axes: tuple[str, ...], q_lat, q_rope, c_new, r_new, posi
         in_specs=(replicated,) * 5 + (slots, slots, slots if has_index else None, replicated,
                                       replicated if has_index else None, replicated, index_specs, topk_spec),
         out_specs=(replicated, replicated), axis_names=frozenset(axes), check_vma=False)
-    return fn(q_lat, q_rope, c_new, r_new, positions, cache.c_kv, cache.k_rope, cache.index_k, cache.slot,
-              cache.index_slot, cache.length, index, prev_topk)
+    # The chunk's tensors enter replicated, so their cotangents are summed over `axes` in the
+    # backward; in float32 (they are small: <= MAX_CACHED_QUERIES rows), which also keeps XLA:CPU's
+    # bf16 all-reduce promotion (which aborts on these reductions) out of the program.
+    f32 = [a.astype(jnp.float32) for a in (q_lat, q_rope, c_new, r_new)]
+    out, topk = fn(*f32, positions, cache.c_kv, cache.k_rope, cache.index_k, cache.slot, cache.index_slot,
+                   cache.length, index, prev_topk)
+    return out.astype(q_lat.dtype), topk
 
 
 def _partial_attention(q_lat, q_rope, topk, cache_c, cache_r, slot, c_new, r_new, length, base, local_cap, scale,
