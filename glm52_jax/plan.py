@@ -637,7 +637,15 @@ def _measure(fn: Callable, args: tuple, jit_kw: dict, mesh, fast_compile: bool) 
     with jax.set_mesh(mesh):
         lowered = jax.jit(fn, **jit_kw).lower(*args)
     t1 = time.perf_counter()
-    compiled = lowered.compile()
+    # Plan programs are compiled to be measured, never run: keep them out of a persistent
+    # compilation cache (serializing them is wasted work, and XLA:CPU's executable serializer
+    # segfaulted on one of them in a test session that had the cache on).
+    min_secs = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
+    try:
+        compiled = lowered.compile()
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_secs)
     t2 = time.perf_counter()
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
