@@ -25,7 +25,11 @@ MODES = ("conventional", "response_only", "shared_prefix")
 CACHED = "response_only_sampler_cache"
 
 
-def measure(mode: str, prompt_len: int, response_len: int, group: int) -> dict:
+def measure(mode: str, prompt_len: int, response_len: int, group: int, cfg=None, on_compiled=None,
+            build=None) -> dict:
+    """One (mode, P) row. cfg: the model (default `glm52_jax.tiny()`); on_compiled: called with no
+    arguments after compiling and before the timed run, its dict merged into the row; build:
+    `(cfg, options) -> model` (default: `GlmMoeDsa(cfg, options, rngs=nnx.Rngs(0))`)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -36,10 +40,12 @@ def measure(mode: str, prompt_len: int, response_len: int, group: int) -> dict:
     from glm52_jax.rl import gradients
 
     opts = glm52_jax.ModelOptions(param_dtype=jnp.float32, lora=LoRAConfig(rank=8, alpha=16.0))
-    model = glm52_jax.GlmMoeDsa(glm52_jax.tiny(), opts, rngs=nnx.Rngs(0))
+    cfg = cfg or glm52_jax.tiny()
+    model = build(cfg, opts) if build else glm52_jax.GlmMoeDsa(cfg, opts, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
-    prompt = jnp.asarray(rng.integers(0, 512, prompt_len), jnp.int32)
-    responses = jnp.asarray(rng.integers(0, 512, (group, response_len)), jnp.int32)
+    vocab = min(cfg.vocab_size, 512)  # the same ids whatever the vocabulary (>= 512)
+    prompt = jnp.asarray(rng.integers(0, vocab, prompt_len), jnp.int32)
+    responses = jnp.asarray(rng.integers(0, vocab, (group, response_len)), jnp.int32)
     mask = jnp.ones((group, response_len), jnp.float32)
     old = jnp.full((group, response_len), -6.0, jnp.float32)
     adv = jnp.asarray(np.linspace(-1, 1, group), jnp.float32)
@@ -56,14 +62,16 @@ def measure(mode: str, prompt_len: int, response_len: int, group: int) -> dict:
     compiled = gradients._compute_jit.lower(*args, **kwargs).compile()
     compile_s = time.perf_counter() - start
     dyn = (lora, frozen, prompt, responses, mask, old, adv, prefix)
+    extra = on_compiled() if on_compiled else {}
     start = time.perf_counter()
-    jax.block_until_ready(compiled(*dyn))
+    _, losses, logps, _ = jax.block_until_ready(compiled(*dyn))
     step_s = time.perf_counter() - start
     mem = compiled.memory_analysis()
     return {"mode": mode, "prompt_len": prompt_len, "response_len": response_len, "group": group,
             "step_seconds": round(step_s, 3), "compile_seconds": round(compile_s, 1),
             "xla_temp_mib": round(mem.temp_size_in_bytes / 2**20, 1),
-            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "loss": float(np.sum(losses)), "logprobs": np.asarray(logps).tolist(), **extra}
 
 
 def main():

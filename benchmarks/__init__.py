@@ -1,0 +1,1 @@
+"""Benchmarks (not tests): `python -m benchmarks.run [--quick]` runs them all; results go to RESULTS.md."""
