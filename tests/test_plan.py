@@ -6,6 +6,7 @@ virtual CPU devices (folded CP8/EP8) and on one device. The numbers checked are 
 executables' own (memory analysis, HLO text) against what the abstract state says they must be.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -30,8 +31,22 @@ FOLDED = MeshSpec(context=8, expert=8, folded=True)
 CFG = config.tiny(num_hidden_layers=3, indexer_types=("full", "shared", "shared"))
 
 
-def _plan(mesh, programs, chunk_size=32, **kw):
+def _plan_here(mesh, programs, chunk_size=32, **kw):
     return planlib.plan(CFG, mesh, chunk_size=chunk_size, programs=programs, options=OPTS, **SHAPES, **kw)
+
+
+def _plan(mesh, programs, chunk_size=32, **kw):
+    """`_plan_here` in a fresh process, report as JSON. Late in a full test session (hundreds of
+    programs compiled in the same process) XLA:CPU segfaulted compiling these plan programs; in a
+    fresh process it never has."""
+    args = json.dumps({"mesh": dataclasses.asdict(mesh), "programs": list(programs), "chunk_size": chunk_size, **kw})
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_plan; "
+            "from glm52_jax.parallel.mesh import MeshSpec; a = json.loads(sys.argv[2]); "
+            "a['mesh'] = MeshSpec(**a['mesh']); print('PLAN ' + json.dumps(test_plan._plan_here(**a)))")
+    proc = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__), args], capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("PLAN "))[5:])
 
 
 @pytest.fixture(scope="module")
@@ -129,9 +144,9 @@ def test_flops_scale_with_chunk_length(single):
 
 def test_mesh_needing_more_devices_is_a_clear_error():
     with pytest.raises(ValueError, match=r"needs 16 devices but this process has 8"):
-        _plan(MeshSpec(context=16, expert=16, folded=True), ("prefill",))
+        _plan_here(MeshSpec(context=16, expert=16, folded=True), ("prefill",))
     with pytest.raises(ValueError, match="unknown program"):
-        _plan(MeshSpec(), ("prefil",))
+        _plan_here(MeshSpec(), ("prefil",))
 
 
 def test_plan_capacity_rounds_for_sequence_sharding():
