@@ -30,8 +30,12 @@ def place_model(model: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
     graphdef, state = nnx.split(model)
     leaves = []
     for key, var in nnx.to_flat_state(state):
-        host = np.asarray(jax.device_get(var.get_value()))
-        placed = jax.make_array_from_callback(host.shape, sharding_for(var, mesh), lambda index, h=host: h[index])
+        value, target = var.get_value(), sharding_for(var, mesh)
+        if isinstance(value, jax.Array) and value.sharding == target:
+            leaves.append((key, var))  # already placed (e.g. load_pretrained(shardings=mesh)): no host copy
+            continue
+        host = np.asarray(jax.device_get(value))
+        placed = jax.make_array_from_callback(host.shape, target, lambda index, h=host: h[index])
         leaves.append((key, var.replace(placed)))
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
 
