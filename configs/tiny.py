@@ -36,6 +36,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.sampling.top_p = 1.0
     c.sampling.top_k = 0
     c.sampling.chunk_size = 128
+    c.sampling.prefill_mode = "chunked"  # chunked | whole (one context-parallel forward for a cold prompt)
     c.sampling.prefix_cache_mib = 256
 
     c.search = ml_collections.ConfigDict()

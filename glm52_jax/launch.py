@@ -95,7 +95,8 @@ def _plan(c) -> dict:
     lora = LoRAConfig(rank=m.lora_rank, alpha=float(m.lora_alpha), families=frozenset(m.lora_families))
     report = plan(cfg, mesh_spec(c), prompt_tokens=c.data.prompt_tokens, max_new_tokens=s.max_new_tokens,
                   num_samples=s.num_samples, gradient_mode=c.train.gradient_mode, lora=lora,
-                  dtype=jnp.dtype(m.dtype), chunk_size=s.chunk_size, hbm_bytes=float(c.plan.hbm_gib) * 2**30,
+                  dtype=jnp.dtype(m.dtype), chunk_size=s.chunk_size,
+                  prefill_mode=s.get("prefill_mode", "chunked"), hbm_bytes=float(c.plan.hbm_gib) * 2**30,
                   programs=tuple(c.plan.get("programs", ("prefill", "decode", "train"))),
                   log=lambda msg: print(msg, file=sys.stderr, flush=True))
     report["model_source"] = source

@@ -5,11 +5,13 @@ gives every parameter and input a `jax.ShapeDtypeStruct` carrying the `NamedShar
 logical axes get under the mesh's rules (as `load_pretrained(..., shardings=mesh)` places real
 weights), and lowers + compiles the programs a GRPO transaction runs, at the configured shapes:
 
-  prefill  `Sampler._prefill_chunk`: `forward_cached` of one [1, S=chunk_size] chunk against the
-           batch-1 cache of the full sampler capacity C (cache in and out, not donated, as the
-           sampler jits it). This is the honest prefill program: the sampler only ever runs
-           chunks, ceil(P / S) calls of this one executable (later chunks only run more trips of
-           the indexer's data-dependent key loop, with the same buffers).
+  prefill  with prefill_mode="chunked" (the sampler's default), `Sampler._prefill_chunk`:
+           `forward_cached` of one [1, S=chunk_size] chunk against the batch-1 cache of the full
+           sampler capacity C (cache in and out, not donated, as the sampler jits it): the sampler
+           runs ceil(P / S) calls of this one executable (later chunks only run more trips of the
+           indexer's data-dependent key loop, with the same buffers). With prefill_mode="whole",
+           `Sampler._prefill_whole`: `model.prefill` of ids [1, P], the explicit context-parallel
+           forward that also emits the cache (one call).
   forward  (optional) `model.hidden_states` on ids [1, P]: the uncached whole-prompt forward.
            The sampler never runs it; `conventional` training (per sample) and `token_logprobs`
            do. For comparison, when asked for in `programs`.
@@ -493,6 +495,7 @@ class _Setup:
     max_new_tokens: int
     num_samples: int
     chunk_size: int
+    prefill_mode: str
     capacity: int
     gradient_mode: str
     logprob_chunk: int
@@ -505,6 +508,15 @@ def _prefill_program(s: _Setup):
     from glm52_jax.rollout.sampler import CACHE_COMPILER_OPTIONS
 
     graphdef = s.graphdef
+    if s.prefill_mode == "whole":
+        def prefill_whole(state, ids):  # = Sampler.__init__'s prefill_whole at this capacity
+            h, cache = nnx.merge(graphdef, state).prefill(ids, s.capacity)
+            return h[:, -1], cache
+
+        ids = _sds_even((1, s.prompt_tokens), "int32", s.mesh, ("batch", "seq"))
+        what = (f"Sampler._prefill_whole: model.prefill of ids [1,{s.prompt_tokens}] (context-parallel forward) "
+                f"-> h_last and the batch-1 cache (capacity {s.capacity})")
+        return prefill_whole, (s.state, ids), {}, what, 1
 
     def prefill_chunk(state, ids, cache):  # = Sampler.__init__'s prefill_chunk
         return nnx.merge(graphdef, state).forward_cached(ids, cache)
@@ -725,13 +737,14 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
          gradient_mode: str, lora, dtype, chunk_size: int, hbm_bytes: float = 96e9,
          programs: Iterable[str] = ("prefill", "decode", "train"), options=None, logprob_chunk: int = 1024,
          capacity_multiple: int = 256, donate_cache: bool = False, adamw=None, fast_compile: bool = True,
-         log: Callable[[str], None] | None = None) -> dict[str, Any]:
+         prefill_mode: str = "chunked", log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Lowers and compiles the run's programs on `mesh_spec` with abstract weights and inputs.
 
     model_cfg: `ModelConfig` (apply rope scaling beforehand, e.g. `with_env_rope_scaling()`).
     mesh_spec: `parallel.mesh.MeshSpec`; the process needs >= `mesh_spec.size` devices (the first
       ones are used; see `ensure_virtual_devices`).
     prompt_tokens P, max_new_tokens R, num_samples G, chunk_size (the sampler's prefill chunk),
+      prefill_mode (the sampler's: "chunked" or "whole", which program "prefill" compiles),
       gradient_mode (`rl.gradients.MODES`), lora (`LoRAConfig`; required for "train"), dtype
       (parameter/activation dtype).
     options: `ModelOptions` overrides (block sizes, remat); its param_dtype / lora are replaced by
@@ -758,6 +771,8 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
                         ("num_samples", num_samples), ("chunk_size", chunk_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"plan: {name} must be a positive integer, got {value!r}")
+    if prefill_mode not in ("chunked", "whole"):
+        raise ValueError(f"plan: prefill_mode must be 'chunked' or 'whole', got {prefill_mode!r}")
     if "train" in programs and lora is None:
         raise ValueError("plan: the train program trains LoRA adapters; pass lora=LoRAConfig(...)")
     say = log or (lambda msg: None)
@@ -782,7 +797,7 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
         issues += [issue] if issue else []
         graphdef, state = abstract_model(model_cfg, opts, mesh)
         setup = _Setup(model_cfg, opts, mesh, graphdef, state, prompt_tokens, max_new_tokens, num_samples, chunk_size,
-                       planned_capacity, gradient_mode, logprob_chunk, donate_cache)
+                       prefill_mode, planned_capacity, gradient_mode, logprob_chunk, donate_cache)
         report = _static_report(setup, mesh_spec, capacity, lora, dtype)
         report["issues"] = issues
         report["notes"] = list(NOTES)
@@ -869,7 +884,8 @@ def _static_report(s: _Setup, mesh_spec, sampler_cap: int, lora, dtype) -> dict[
                  "rules": [list(r) for r in mesh_spec.rules()],
                  "seq_shards": _ways(s.mesh, "seq"), "expert_shards": _ways(s.mesh, "experts")},
         "shapes": {"prompt_tokens": s.prompt_tokens, "max_new_tokens": s.max_new_tokens,
-                   "num_samples": s.num_samples, "chunk_size": s.chunk_size, "sampler_capacity": sampler_cap,
+                   "num_samples": s.num_samples, "chunk_size": s.chunk_size, "prefill_mode": s.prefill_mode,
+                   "sampler_capacity": sampler_cap,
                    "planned_capacity": s.capacity, "gradient_mode": s.gradient_mode, "dtype": str(dtype),
                    "logprob_chunk": s.logprob_chunk, "donate_cache": s.donate_cache,
                    "lora": None if lora is None else {"rank": lora.rank, "alpha": lora.alpha,
@@ -917,6 +933,7 @@ def format_plan(report: dict[str, Any]) -> str:
         f"mesh {mesh['describe']} on {mesh['devices']} {mesh['platform']} devices "
         f"(seq x{mesh['seq_shards']}, experts x{mesh['expert_shards']})",
         f"P={sh['prompt_tokens']} R={sh['max_new_tokens']} G={sh['num_samples']} chunk={sh['chunk_size']} "
+        f"prefill={sh.get('prefill_mode', 'chunked')} "
         f"capacity={sh['planned_capacity']} mode={sh['gradient_mode']} dtype={sh['dtype']}",
         f"params {m['param_count']:,} ({m['param_bytes'] / bs:.3f} {bu}, {m['param_bytes_per_device'] / bs:.3f} "
         f"{bu}/device); LoRA {m['lora_count']:,} ({m['lora_bytes_per_device'] / bs:.3f} {bu}/device); cache "

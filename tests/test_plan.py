@@ -142,6 +142,21 @@ def test_flops_scale_with_chunk_length(single):
         assert 1.6 < full[key] / small[key] < 2.4, (key, full[key], small[key])
 
 
+def test_whole_prompt_prefill_program():
+    """prefill_mode="whole": one call of the sampler's context-parallel prefill, whose outputs are
+    the batch-1 cache (plus h_last) and which gathers the key side instead of reading a cache."""
+    whole = _plan(FOLDED, ("prefill",), prefill_mode="whole")
+    p = whole["programs"]["prefill"]
+    assert p["calls_per_transaction"] == 1 and p["what"].startswith("Sampler._prefill_whole")
+    cache, h_last = whole["cache"]["batch1_bytes_per_device"], CFG.hidden_size * 4  # h_last: [1, D] float32
+    # Outputs: the cache and h_last (+ a few bytes: the length scalar, the output tuple's table).
+    assert cache + h_last <= p["memory"]["output_bytes"] <= cache + h_last + 128
+    model = whole["model"]
+    assert p["input_bytes_per_device"] < model["param_bytes_per_device"] + model["lora_bytes_per_device"] + cache
+    assert p["collectives"]["all-gather"]["ops"] > 0 and p["collectives"]["all-to-all"]["ops"] > 0
+    assert whole["shapes"]["prefill_mode"] == "whole"
+
+
 def test_mesh_needing_more_devices_is_a_clear_error():
     with pytest.raises(ValueError, match=r"needs 16 devices but this process has 8"):
         _plan_here(MeshSpec(context=16, expert=16, folded=True), ("prefill",))

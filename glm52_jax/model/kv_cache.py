@@ -61,6 +61,19 @@ def init_cache(cfg: ModelConfig, segments, batch: int, capacity: int, dtype=jnp.
     return KVCache(tuple(c_kv), tuple(k_rope), tuple(index_k), jnp.zeros((), jnp.int32))
 
 
+def cache_from_entries(new_c, new_r, new_i, seq: int, capacity: int, dtype) -> KVCache:
+    """A cache holding a whole prompt's entries (per segment [repeats, U|F, B, S, *], slot order)
+    in slots `0 .. S-1` of `capacity`, laid out as `init_cache` + `write_chunk` would leave it."""
+
+    def fill(chunk, dt):
+        chunk = chunk.astype(dt)
+        full = jnp.pad(chunk, ((0, 0),) * 3 + ((0, capacity - seq), (0, 0)))
+        return constrain(full, CACHE_AXES)
+
+    return KVCache(tuple(fill(a, dtype) for a in new_c), tuple(fill(a, dtype) for a in new_r),
+                   tuple(fill(a, jnp.float32) for a in new_i), jnp.asarray(seq, jnp.int32))
+
+
 def broadcast_batch(cache: KVCache, batch: int) -> KVCache:
     """Repeats a batch-1 cache (one shared prompt) to `batch` rows."""
     if cache.batch != 1:

@@ -99,6 +99,7 @@ class MoE(nnx.Module):
         dt = opts.param_dtype
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.cfg = cfg
+        self.token_block = opts.moe_token_block
         self.router = param(rngs, (d, e), ("embed", None), jnp.float32)
         self.e_score_correction_bias = param(None, (e,), (None,), jnp.float32, init="zeros")
         self.w_gate = param(rngs, (e, d, i), ("experts", "embed", "expert_mlp"), dt)
@@ -124,7 +125,7 @@ class MoE(nnx.Module):
         lora = (self.w_gate_lora, self.w_up_lora, self.w_down_lora)
         if ep_applicable(flat.shape[0], self.cfg.n_routed_experts):
             # Experts sharded over a mesh axis: all-to-all dispatch to the experts' owners.
-            routed = experts_ep(flat, weights, experts, *kernels, lora)
+            routed = experts_ep(flat, weights, experts, *kernels, lora, token_block=self.token_block)
         else:
             routed = experts_ragged(flat, weights, experts, *kernels, lora)
         routed = routed.astype(x.dtype).reshape(batch, seq, d)

@@ -19,6 +19,9 @@ class ModelOptions:
     `context_parallel`: how a whole-sequence forward runs attention when a mesh shards `seq`:
     "zigzag" (load-balanced layout) or "contiguous" explicit CP (`parallel.context`), or "off"
     (GSPMD places it). Cached chunks (prefill, decode) are not affected.
+    `moe_token_block`: the expert-parallel MoE routes at most this many of a device's tokens per
+    all-to-all round (a whole-prompt prefill holds 64K tokens per device at 2M; the exchange
+    buffers grow with the tokens routed at once).
     """
 
     param_dtype: object = jnp.bfloat16
@@ -28,9 +31,10 @@ class ModelOptions:
     remat: bool = True
     lora: LoRAConfig | None = None
     context_parallel: str = "zigzag"
+    moe_token_block: int = 1024
 
     def __post_init__(self):
-        for name in ("indexer_query_block", "indexer_key_block", "attention_query_block"):
+        for name in ("indexer_query_block", "indexer_key_block", "attention_query_block", "moe_token_block"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelOptions.{name}: expected a positive integer, got {value!r}")

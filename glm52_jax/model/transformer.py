@@ -24,7 +24,7 @@ from glm52_jax.model.layers import RMSNorm, param
 from glm52_jax.model.lora import adapter
 from glm52_jax.model.mla import Attention
 from glm52_jax.model.moe import MLP, MoE
-from glm52_jax.model.kv_cache import KVCache, LayerCacheView, init_cache, write_chunk
+from glm52_jax.model.kv_cache import KVCache, LayerCacheView, cache_from_entries, init_cache, write_chunk
 from glm52_jax.model.options import ModelOptions
 from glm52_jax.parallel import context
 from glm52_jax.parallel.rules import constrain
@@ -95,12 +95,12 @@ class Unit(nnx.Module):
         self.kinds = unit
         self.layers = nnx.List([DecoderLayer(cfg, kind, opts, rngs) for kind in unit])
 
-    def __call__(self, h, cos, sin, positions, topk, unit_cache=None):
+    def __call__(self, h, cos, sin, positions, topk, unit_cache=None, emit_entries=False):
         """unit_cache: None, or (c_kv [reps,U,B,Cap,C], k_rope [reps,U,B,Cap,R], index_k [reps,F,B,Cap,I],
         repeat index, length): the whole segment's cache, read in place at this unit's repeat.
 
         Returns (h, topk, top-k of each full layer, the chunk's new entries stacked
-        ([U,B,S,C], [U,B,S,R], [F,B,S,I]) or None without a cache).
+        ([U,B,S,C], [U,B,S,R], [F,B,S,I]), or None without a cache unless `emit_entries`).
         """
         produced, new_c, new_r, new_i = [], [], [], []
         full_slot = 0
@@ -118,11 +118,11 @@ class Unit(nnx.Module):
                 produced.append(topk)
                 new_i.append(ik)
                 full_slot += 1
-        if unit_cache is None:
+        if unit_cache is None and not emit_entries:
             return h, topk, tuple(produced), None
-        seg_i = unit_cache[2]
-        stacked_i = (jnp.stack(new_i) if new_i
-                     else jnp.zeros((0, *h.shape[:2], seg_i.shape[-1]), seg_i.dtype))
+        index_dim = self.layers[0].self_attn.cfg.index_head_dim
+        stacked_i = (jnp.stack([i.astype(jnp.float32) for i in new_i]) if new_i
+                     else jnp.zeros((0, *h.shape[:2], index_dim), jnp.float32))
         return h, topk, tuple(produced), (jnp.stack(new_c), jnp.stack(new_r), stacked_i)
 
 
@@ -170,7 +170,7 @@ class GlmMoeDsa(nnx.Module):
             # Explicit context parallelism needs keys in position order (true for arange).
             layout = context.plan_layout(input_ids.shape[-1], self.opts.context_parallel)
         if layout is None:
-            h, produced, _ = self._run(input_ids, positions, None)
+            h, produced, _, _ = self._run(input_ids, positions, None)
         else:
             h, produced = self._run_context_parallel(input_ids, positions, layout)
         return (h, produced) if return_topk else h
@@ -181,7 +181,7 @@ class GlmMoeDsa(nnx.Module):
         ids, pos = context.pad_sequence(input_ids, positions, layout)
         ids, pos = context.to_layout(ids, layout), context.to_layout(pos, layout, axis=0)
         with context.active(layout):
-            h, produced, _ = self._run(ids, pos, None)
+            h, produced, _, _ = self._run(ids, pos, None)
         h = context.from_layout(h, layout)[:, :seq]
         # Keys past the real sequence are never visible to a real query: their slots are INVALID.
         k = min(self.cfg.index_topk, seq)
@@ -199,10 +199,46 @@ class GlmMoeDsa(nnx.Module):
             raise ValueError(f"cache overflow: {int(cache.length)} cached + {seq} new tokens > capacity "
                              f"{cache.capacity}")
         positions = cache.length + jnp.arange(seq, dtype=jnp.int32)
-        h, _, cache = self._run(input_ids, positions, cache)
+        h, _, cache, _ = self._run(input_ids, positions, cache)
         return h, cache
 
-    def _run(self, input_ids, positions, cache):
+    def prefill(self, input_ids: jax.Array, capacity: int) -> tuple[jax.Array, KVCache]:
+        """Whole-prompt prefill: the uncached forward of `input_ids: [B,S]` from position 0 that
+        also returns a cache of `capacity` slots holding its S tokens.
+
+        Under a mesh that shards the sequence this is the explicit context-parallel forward
+        (sharded queries, all-gathered key side), the same as `hidden_states`; each layer's cache
+        entries leave the layer scan sharded by sequence and are put back in slot order once. The
+        sampler's chunked prefill computes the same cache chunk by chunk (equal up to float
+        rounding: the blocks are reduced in another order). Returns (h [B,S,D], cache).
+        """
+        batch, seq = input_ids.shape
+        if seq > capacity:
+            raise ValueError(f"prefill: cache capacity {capacity} must hold the {seq} prompt tokens")
+        if seq > self.cfg.max_position_embeddings:
+            raise ValueError(f"prefill: {seq} prompt tokens exceed max_position_embeddings "
+                             f"{self.cfg.max_position_embeddings}")
+        positions = jnp.arange(seq, dtype=jnp.int32)
+        layout = context.plan_layout(seq, self.opts.context_parallel)
+        if layout is None:
+            h, _, _, entries = self._run(input_ids, positions, None, emit_entries=True)
+        else:
+            ids, pos = context.pad_sequence(input_ids, positions, layout)
+            ids, pos = context.to_layout(ids, layout), context.to_layout(pos, layout, axis=0)
+            with context.active(layout):
+                h, _, _, entries = self._run(ids, pos, None, emit_entries=True)
+            h = context.from_layout(h, layout)[:, :seq]
+            # [reps, U|F, B, L, *] in layout order -> slot order, padding dropped.
+            entries = jax.tree.map(lambda a: context.from_layout(a, layout, axis=3)[:, :, :, :seq], entries)
+        return h, cache_from_entries(*entries, seq, capacity, self.opts.param_dtype)
+
+    def _run(self, input_ids, positions, cache, emit_entries=False):
+        """The layer stacks over `input_ids: [B,S]` at `positions: [S]`, against `cache` or alone.
+
+        Returns (final-normed h [B,S,D], {full layer: top-k [B,S,K]}, the cache with this chunk
+        written (None without one), and with `emit_entries` the per-segment new cache entries
+        ([reps,U,B,S,C], [reps,U,B,S,R], [reps,F,B,S,I]) as three lists, else None).
+        """
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
         cfg = self.cfg
@@ -227,7 +263,7 @@ class GlmMoeDsa(nnx.Module):
                 unit_state, rep = xs
                 unit = nnx.merge(graphdef, unit_state)
                 unit_cache = None if seg_cache is None else (*seg_cache, rep, cache.length)
-                h, topk, made, entries = unit(h, cos, sin, positions, topk, unit_cache)
+                h, topk, made, entries = unit(h, cos, sin, positions, topk, unit_cache, emit_entries)
                 return (h, topk), (made, entries)
 
             if self.opts.remat:
@@ -250,7 +286,7 @@ class GlmMoeDsa(nnx.Module):
         h = self.norm(h)
         if cache is not None:
             cache = write_chunk(cache, new_c, new_r, new_i, seq)
-        return h, produced, cache
+        return h, produced, cache, ((new_c, new_r, new_i) if emit_entries else None)
 
     def init_cache(self, batch: int, capacity: int, dtype=None) -> KVCache:
         """An empty decode cache (dtype defaults to the parameter dtype)."""

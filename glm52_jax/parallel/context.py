@@ -101,7 +101,7 @@ def to_layout(x: jax.Array, lay: Layout, axis: int = 1) -> jax.Array:
         return x
     x = jnp.moveaxis(x, axis, 0)
     n = lay.ways
-    chunks = x.reshape(2 * n, -1, *x.shape[1:])
+    chunks = x.reshape(2 * n, x.shape[0] // (2 * n), *x.shape[1:])  # explicit: x may be empty
     pairs = jnp.stack([chunks[:n], chunks[n:][::-1]], axis=1)  # device i: chunks i and 2n-1-i
     return jnp.moveaxis(pairs.reshape(x.shape), 0, axis)
 
@@ -112,7 +112,7 @@ def from_layout(x: jax.Array, lay: Layout, axis: int = 1) -> jax.Array:
         return x
     x = jnp.moveaxis(x, axis, 0)
     n = lay.ways
-    pairs = x.reshape(n, 2, -1, *x.shape[1:])
+    pairs = x.reshape(n, 2, x.shape[0] // (2 * n), *x.shape[1:])
     chunks = jnp.concatenate([pairs[:, 0], pairs[:, 1][::-1]], axis=0)
     return jnp.moveaxis(chunks.reshape(x.shape), 0, axis)
 

@@ -183,7 +183,7 @@ def _ragged_body(x, weights, experts, w_gate, w_up, w_down, loras, *, axis, n_de
 def experts_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                w_down: jax.Array, lora: tuple[Adapter | None, Adapter | None, Adapter | None] | None = None, *,
                mesh=None, expert_axis: str | None = None, token_axes: Sequence[str] | None = None,
-               impl: str = "dense") -> jax.Array:
+               impl: str = "dense", token_block: int | None = None) -> jax.Array:
     """Expert-parallel `experts_ragged`: `x: [T,D], weights/experts: [T,K]`, `w_*: [E,D,I] / [E,I,D]` -> [T,D] f32.
 
     `lora`: None or the (gate, up, down) routed-expert `Adapter`s (A [E,in,r], B [E,r,out]).
@@ -191,6 +191,8 @@ def experts_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax
     default from the logical rules (`default_axes`). Falls back to `experts_ragged` when there is
     no mesh or the expert axis has size 1. T must divide by the product of the token axes' sizes
     and E by the expert axis size. `impl`: "dense" (CPU-runnable) or "ragged" (GPU).
+    `token_block`: route at most this many of a device's tokens per exchange (`lax.map` over
+    blocks; None: all at once). The exchange buffers scale with it, not with the device's tokens.
     """
     if mesh is None:
         mesh = jax.sharding.get_abstract_mesh()
@@ -223,7 +225,24 @@ def experts_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax
     body = _dense_body if impl == "dense" else _ragged_body
 
     def per_device(x, weights, experts, w_gate, w_up, w_down, loras):
-        return body(x, weights, experts, w_gate, w_up, w_down, loras, axis=expert_axis, n_dev=n_dev, scales=scales)
+        def run(x, weights, experts):
+            return body(x, weights, experts, w_gate, w_up, w_down, loras, axis=expert_axis, n_dev=n_dev,
+                        scales=scales)
+
+        local = x.shape[0]
+        if token_block is None or local <= token_block:
+            return run(x, weights, experts)
+        # Every device runs the same number of rounds (equal local token counts), so each round's
+        # all-to-alls pair up across devices. Pad tokens carry weight 0: routed, but they add nothing.
+        blocks = -(-local // token_block)
+        pad = blocks * token_block - local
+
+        def split(a):
+            a = jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1))
+            return a.reshape(blocks, token_block, *a.shape[1:])
+
+        y = jax.lax.map(lambda args: run(*args), (split(x), split(weights), split(experts)))
+        return y.reshape(blocks * token_block, -1)[:local]
 
     fn = jax.shard_map(per_device, mesh=mesh, in_specs=(tok, tok, tok, exp, exp, exp, lora_specs), out_specs=tok)
     return fn(x, weights, experts, w_gate, w_up, w_down, loras)

@@ -70,7 +70,7 @@ def run_parity(c, workdir: str | Path, *, log: Callable[[str], None] = print) ->
     model, _ = build_policy(c, plan)
     s, t = c.sampling, c.train
     sampler = Sampler(model, chunk_size=s.chunk_size, prefix_cache_bytes=int(s.prefix_cache_mib) << 20,
-                      progress=lambda *a: None)
+                      progress=lambda *a: None, prefill_mode=s.get("prefill_mode", "chunked"))
     seeds = [int(x) for x in np.asarray(jax.random.randint(jax.random.split(jax.random.key(c.seed))[1],
                                                            (c.search.max_candidates,), 0, 2**31 - 1))]
     candidates, accepted = search_group(c, plan, 1, c.data.first_row, seeds, sampler, lambda *a, **k: None, log)

@@ -128,6 +128,9 @@ def check_config(c) -> Plan:
     _require(m.dtype in ("float32", "bfloat16"), f"model.dtype must be float32 or bfloat16, got {m.dtype!r}")
     _require(t.learning_rate > 0, f"train.learning_rate must be > 0, got {t.learning_rate!r}")
     _require(s.chunk_size >= 1, f"sampling.chunk_size must be >= 1, got {s.chunk_size!r}")
+    from glm52_jax.rollout.sampler import PREFILL_MODES
+    _require(s.get("prefill_mode", "chunked") in PREFILL_MODES,
+             f"sampling.prefill_mode must be one of {PREFILL_MODES}, got {s.get('prefill_mode')!r}")
     _require(isinstance(t.steps, int) and t.steps >= 1,
              f"train.steps (transactions in the run) must be a positive integer, got {t.steps!r}")
 
@@ -373,7 +376,8 @@ def _run_steps(c, plan: Plan, workdir: Path, ckpts, latest: int, expect: dict, e
         state = RunState(step=0, rng=jax.random.key(c.seed), cursor=c.data.first_row, optimizer_steps=0, meta={})
     event("loaded", checkpoint=base_name(plan, c))
     sampler = Sampler(model, chunk_size=s.chunk_size, prefix_cache_bytes=int(s.prefix_cache_mib) << 20,
-                      progress=_prefill_progress(event, log, s.chunk_size))
+                      progress=_prefill_progress(event, log, s.chunk_size),
+                      prefill_mode=s.get("prefill_mode", "chunked"))
     steps = []
     for step in range(state.step + 1, t.steps + 1):
         rng, step_key = jax.random.split(state.rng)

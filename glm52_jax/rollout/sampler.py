@@ -1,9 +1,17 @@
 """Policy sampler: chunked prefill into the DSA cache, then jitted decode of G samples.
 
-One request = one prompt shared by G samples. The prompt is prefilled once at batch 1 (chunk
-boundaries at absolute multiples of `chunk_size`, so a prefix-cache hit recomputes exactly the
-chunks a cold run would and the results are bit-identical), the cache is broadcast to G rows,
-and one `lax.scan` decodes `max_new_tokens` steps for all samples.
+One request = one prompt shared by G samples. The prompt is prefilled once at batch 1, the cache
+is broadcast to G rows, and one `lax.scan` decodes `max_new_tokens` steps for all samples.
+
+Prefill modes:
+  chunked  (default) chunks at absolute multiples of `chunk_size`, each against the cache so far,
+           so a prefix-cache hit recomputes exactly the chunks a cold run would and the results
+           are bit-identical.
+  whole    a cold prompt runs as one uncached forward (`GlmMoeDsa.prefill`): under a mesh that
+           shards the sequence, the explicit context-parallel path (sharded queries, key side
+           all-gathered once per layer) instead of a chunk loop whose every chunk re-reads the
+           whole sharded cache. A prefix-cache hit still continues in chunks, so a warm run
+           equals a cold one up to float rounding, not bit for bit.
 
 Old log-probs (what GRPO's importance ratio divides by): for each generated token, the float32
 log-probability of that token under the policy's full next-token distribution at the sampling
@@ -37,6 +45,7 @@ log = logging.getLogger(__name__)
 # model, G=2: ~50 -> ~25 ms per decode step). A DebugOptions field, ignored by other backends.
 CACHE_COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 
+PREFILL_MODES = ("chunked", "whole")
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 PAD_TOKEN = -1
@@ -136,12 +145,16 @@ class Sampler:
     """Samples from a model with a bounded prefix cache shared across requests."""
 
     def __init__(self, model: GlmMoeDsa, *, chunk_size: int = 2048, prefix_cache_bytes: int = 1 << 30,
-                 capacity_multiple: int = 256, progress: Callable[[int, int, float, float], None] | None = None):
+                 capacity_multiple: int = 256, progress: Callable[[int, int, float, float], None] | None = None,
+                 prefill_mode: str = "chunked"):
         if chunk_size <= 0 or capacity_multiple <= 0:
             raise ValueError("chunk_size and capacity_multiple must be positive")
+        if prefill_mode not in PREFILL_MODES:
+            raise ValueError(f"prefill_mode: expected one of {PREFILL_MODES}, got {prefill_mode!r}")
         self.model = model
         self.cfg = model.cfg
         self.chunk_size = chunk_size
+        self.prefill_mode = prefill_mode
         self.capacity_multiple = capacity_multiple
         self.prefix_cache = PrefixCache(max_bytes=prefix_cache_bytes)
         self.progress = progress or _log_progress
@@ -151,10 +164,15 @@ class Sampler:
         def prefill_chunk(state, ids, cache):
             return nnx.merge(self.graphdef, state).forward_cached(ids, cache)
 
+        def prefill_whole(state, ids, capacity):
+            h, cache = nnx.merge(self.graphdef, state).prefill(ids, capacity)
+            return h[:, -1], cache
+
         def decode(state, cache, h_last, keys, forced, **kw):
             return _decode(nnx.merge(self.graphdef, state), cache, h_last, keys, forced, **kw)
 
         self._prefill_chunk = jax.jit(prefill_chunk, compiler_options=CACHE_COMPILER_OPTIONS)
+        self._prefill_whole = jax.jit(prefill_whole, static_argnames=("capacity",))
         self._decode = jax.jit(decode, static_argnames=("steps", "temperature", "top_k", "top_p", "stop_ids"),
                                compiler_options=CACHE_COMPILER_OPTIONS)
 
@@ -221,6 +239,13 @@ class Sampler:
         done = hit_len
         start = time.perf_counter()
         h_last = None
+        if self.prefill_mode == "whole" and done == 0:
+            h_last, cache = self._prefill_whole(self.state, jnp.asarray(prompt, jnp.int32)[None], capacity)
+            self.prefill_calls += 1
+            rate = total / max(time.perf_counter() - start, 1e-9)
+            self.progress(total, total, rate, 0.0)
+            self.prefix_cache.insert(prompt, cache)
+            return cache, h_last, 0
         while done < total:
             end = min(total, (done // self.chunk_size + 1) * self.chunk_size)
             ids = jnp.asarray(prompt[done:end], jnp.int32)[None]

@@ -169,3 +169,37 @@ def test_explicit_context_parallel_layouts(model, layout, spec, seq):
     assert got.shape == want.shape == (1, seq, min(CFG.index_topk, seq))
     for q in range(seq):
         assert set(got[0, q][got[0, q] >= 0]) == set(want[0, q][want[0, q] >= 0]), q
+
+
+@pytest.mark.parametrize("spec", MESHES)
+def test_whole_prompt_prefill_is_context_parallel_and_matches_chunked(model, spec):
+    """The sampler's `whole` prefill on a mesh (one explicit-CP forward that also emits the cache)
+    gives the single-device chunked prefill's cache and h_last, with slots sharded 1/N, and the
+    same greedy continuation."""
+    prompt = np.random.default_rng(11).integers(0, CFG.vocab_size, P).tolist()
+    params = SamplingParams(num_samples=G, max_new_tokens=R, temperature=0.0)
+    quiet = dict(chunk_size=16, capacity_multiple=16, progress=lambda *a: None)
+    chunked = Sampler(model, **quiet)
+    ref_cache, ref_h, _ = chunked.prefill(prompt, 64)
+    ref = chunked.sample(prompt, params)
+    mesh_spec, mesh = _mesh(spec)
+    with axis_rules(mesh_spec.rules()):
+        sampler = Sampler(place_model(model, mesh), prefill_mode="whole", **quiet)
+        with jax.set_mesh(mesh):
+            cache, h_last, _ = sampler.prefill(prompt, 64)
+            assert sampler.prefill_calls == 1  # one program for the whole prompt
+            jaxpr = str(jax.make_jaxpr(lambda st, ids: nnx.merge(sampler.graphdef, st).prefill(ids, 64))(
+                sampler.state, jnp.asarray(prompt, jnp.int32)[None]))
+            assert "shard_map" in jaxpr and "all_gather" in jaxpr  # the explicit CP forward ran
+            sampler.prefix_cache.clear()
+            out = sampler.sample(prompt, params)
+    assert int(cache.length) == P
+    np.testing.assert_allclose(np.asarray(h_last), np.asarray(ref_h), rtol=1e-5, atol=1e-5)
+    for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(ref_cache)):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    seq_ways = mesh.shape["cp_ep"] if spec.startswith("folded") else mesh.shape["context"]
+    for stack in (a for a in (*cache.c_kv, *cache.k_rope, *cache.index_k) if a.size):
+        assert {s.data.shape[3] for s in stack.addressable_shards} == {64 // seq_ways}, stack.sharding
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    np.testing.assert_allclose(out.logprobs, ref.logprobs, rtol=1e-5, atol=1e-5)

@@ -50,10 +50,10 @@ def runs(model, batch):
     calls = []
     original = GlmMoeDsa._run
 
-    def counted(self, input_ids, positions, cache):
+    def counted(self, input_ids, positions, cache, **kw):
         seq = input_ids.shape[-1]
         jax.debug.callback(lambda: calls.append(seq))
-        return original(self, input_ids, positions, cache)
+        return original(self, input_ids, positions, cache, **kw)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(GlmMoeDsa, "_run", counted)

@@ -1,5 +1,6 @@
 """Sampler: teacher-forced consistency, greedy parity with HF generate, prefix reuse, seeds, errors."""
 
+import jax
 import numpy as np
 import jax.numpy as jnp
 import pytest
@@ -99,6 +100,35 @@ def test_prefix_reuse_is_bit_identical_to_cold(sampler):
     assert warm_sampler.prefill_calls - calls == 1  # only the tail chunk was computed
     np.testing.assert_array_equal(warm.tokens, cold.tokens)
     np.testing.assert_array_equal(warm.logprobs, cold.logprobs)
+
+
+def test_whole_prompt_prefill_matches_chunked(model, sampler):
+    """`prefill_mode="whole"`: one uncached forward that also emits the cache (3 full + shared
+    layers, prompt 45 > index_topk) equals the chunked prefill; a warm prompt continues in chunks."""
+    whole = Sampler(model, chunk_size=16, capacity_multiple=64, prefill_mode="whole")
+    prompt = _prompt(45, seed=12)
+    want_cache, want_h, _ = sampler.prefill(prompt, 64)
+    cache, h_last, hit = whole.prefill(prompt, 64)
+    assert hit == 0 and whole.prefill_calls == 1 and int(cache.length) == 45
+    np.testing.assert_allclose(np.asarray(h_last), np.asarray(want_h), rtol=1e-5, atol=1e-5)
+    for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(want_cache)):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert not np.asarray(cache.c_kv[0])[..., 45:, :].any()  # unused slots stay empty
+    params = SamplingParams(max_new_tokens=5, num_samples=2, seed=3)
+    forced = np.random.default_rng(4).integers(0, CFG.vocab_size, (2, 5))
+    ref = sampler.sample(prompt, params, forced_tokens=forced)
+    whole.prefix_cache.clear()
+    got = whole.sample(prompt, params, forced_tokens=forced)
+    np.testing.assert_allclose(got.logprobs, ref.logprobs, rtol=0, atol=1e-5)
+    # A prompt sharing 32 tokens (two whole chunks) reuses them and runs only its tail chunk.
+    calls = whole.prefill_calls
+    warm = whole.sample(prompt[:40] + _prompt(6, seed=13), params)
+    assert warm.prefix_hit_tokens == 32 and whole.prefill_calls - calls == 1
+    with pytest.raises(ValueError, match="prefill_mode"):
+        Sampler(model, prefill_mode="stream")
+    with pytest.raises(ValueError, match="capacity 40 must hold the 45 prompt tokens"):
+        model.prefill(jnp.asarray(prompt, jnp.int32)[None], 40)
 
 
 def test_prefix_cache_is_bounded(model, sampler):
