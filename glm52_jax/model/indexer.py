@@ -14,7 +14,6 @@ Q q_lora rank, R rotary dim.
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -100,7 +99,10 @@ def streaming_topk(q: jax.Array, w: jax.Array, k: jax.Array, q_pos: jax.Array, k
             return jnp.sum(kpos_first <= jnp.max(qpos_blk)).astype(jnp.int32)
         return nk
 
-    return _topk_core(q, w, q_pos, lambda j: (k_blocks[j], kpos_blocks[j]), visible_blocks, kb,
+    def read(j):
+        return k_blocks[j], kpos_blocks[j], j * kb + jnp.arange(kb, dtype=jnp.int32)
+
+    return _topk_core(q, w, q_pos, read, visible_blocks, kb,
                       min(topk, num_keys), scale, query_block, return_scores)
 
 
@@ -116,16 +118,21 @@ def cached_topk(q: jax.Array, w: jax.Array, keys: jax.Array, index: tuple, q_pos
     # Few queries (decode) take proportionally longer key blocks: the live score block stays
     # query_block x key_block while the loop runs fewer, larger steps.
     wide = key_block * max(1, query_block // q.shape[1])
-    kb = math.gcd(capacity, min(wide, capacity))  # blocks tile the cache exactly
+    kb = min(wide, capacity)
     lead = tuple(jnp.asarray(i, jnp.int32) for i in index)
     zero = jnp.zeros((), jnp.int32)
 
     def read(j):
-        start = (*lead, zero, j * kb, zero)
-        blk = jax.lax.dynamic_slice(keys, start, (1,) * len(lead) + (batch, kb, dim))
-        slots = j * kb + jnp.arange(kb, dtype=jnp.int32)
-        kpos = jnp.where(slots < length, slots, jnp.iinfo(jnp.int32).max)
-        return jax.lax.stop_gradient(blk.reshape(batch, kb, dim).astype(jnp.float32)), kpos
+        # Blocks of kb slots from j*kb; when kb does not divide the capacity the last block is
+        # moved back to end at the capacity (a slice must stay inside the array) and the slots
+        # an earlier block already scored are masked out. (Earlier the block was the gcd of the
+        # capacity and kb: 1 slot for a capacity like 8207, and a 100x slower loop.)
+        first = j * kb
+        start_slot = jnp.minimum(first, capacity - kb)
+        blk = jax.lax.dynamic_slice(keys, (*lead, zero, start_slot, zero), (1,) * len(lead) + (batch, kb, dim))
+        slots = start_slot + jnp.arange(kb, dtype=jnp.int32)
+        kpos = jnp.where((slots >= first) & (slots < length), slots, jnp.iinfo(jnp.int32).max)
+        return jax.lax.stop_gradient(blk.reshape(batch, kb, dim).astype(jnp.float32)), kpos, slots
 
     return _topk_core(q, w, q_pos, read, lambda qpos_blk: (length + kb - 1) // kb, kb, min(topk, capacity), scale,
                       query_block, True)
@@ -142,7 +149,7 @@ def merge_topk(first: tuple[jax.Array, jax.Array], second: tuple[jax.Array, jax.
 def _topk_core(q, w, q_pos, read_block, visible_blocks, kb, kk, scale, query_block, return_scores):
     """Query blocks (`lax.map`) x visible key blocks (`fori_loop`) with a running top-k.
 
-    read_block(j) -> (keys [B,kb,I] float32, key positions [kb]); visible_blocks(qpos_blk) ->
+    read_block(j) -> (keys [B,kb,I] float32, key positions [kb], key indices [kb]); visible_blocks(qpos_blk) ->
     number of leading key blocks any query of the block can see.
     """
     # No gradient flows through selection (HF runs the indexer under no_grad); stopping it at the
@@ -160,13 +167,12 @@ def _topk_core(q, w, q_pos, read_block, visible_blocks, kb, kk, scale, query_blo
 
         def merge(j, carry):
             best_val, best_idx = carry  # [B,qb,K]
-            k_blk, kpos = read_block(j)
+            k_blk, kpos, kidx = read_block(j)
             scores = block_scores(q_blk, w_blk, k_blk, scale)
             visible = kpos[None, None, :] <= qpos_blk[None, :, None]
             scores = jnp.where(visible, scores, -jnp.inf)
             # Running entries come first and hold smaller key indices, so ties keep the lowest index.
             vals = jnp.concatenate([best_val, scores], axis=-1)
-            kidx = j * kb + jnp.arange(kb, dtype=jnp.int32)
             idxs = jnp.concatenate([best_idx, jnp.broadcast_to(kidx, scores.shape)], axis=-1)
             new_val, pos = jax.lax.top_k(vals, kk)
             return new_val, jnp.take_along_axis(idxs, pos, axis=-1)

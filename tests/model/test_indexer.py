@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from glm52_jax.model.indexer import INVALID, streaming_topk
+from glm52_jax.model.indexer import INVALID, cached_topk, streaming_topk
 from dense_oracle import dense_topk
 from jaxpr_utils import largest_intermediate
 
@@ -45,6 +45,23 @@ def test_offset_queries_against_cached_keys():
     ours = streaming_topk(q, w, k, q_pos, k_pos, 8, scale=0.25, query_block=4, key_block=16)
     ref, _ = dense_topk(q, w, k, q_pos, k_pos, 8, 0.25)
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
+
+
+@pytest.mark.parametrize("capacity,length,kb", [(37, 37, 8), (37, 30, 8), (41, 35, 16), (32, 29, 8), (40, 33, 64)])
+def test_cached_topk_blocks_need_not_divide_the_capacity(capacity, length, kb):
+    """A stacked cache of any capacity is scanned in kb-slot blocks (the last one moved back inside
+    the cache, its already-scored slots masked); same top-k as the dense oracle over `length`
+    slots, scores included. (Capacities like 37 used to fall back to 1-slot blocks.)"""
+    q, w, _ = _inputs(3, s=4)
+    _, _, k = _inputs(4, t=capacity)
+    stack = k[None, None]  # [reps=1, F=1, B, Cap, I], read in place at (0, 0)
+    q_pos = length + jnp.arange(4, dtype=jnp.int32)
+    vals, idx = cached_topk(q, w, stack, (0, 0), q_pos, jnp.asarray(length, jnp.int32), 8, scale=0.25,
+                            query_block=4, key_block=kb)
+    ref, scores = dense_topk(q, w, k[:, :length], q_pos, jnp.arange(length, dtype=jnp.int32), 8, 0.25)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref))
+    want = np.take_along_axis(np.asarray(scores), np.asarray(ref), axis=-1)
+    np.testing.assert_allclose(np.asarray(vals), want, rtol=1e-6)
 
 
 def test_ties_keep_lowest_key_index():
