@@ -2,7 +2,8 @@
 
 Tiny model (float32) with rank-8 LoRA on every family; one prompt of P tokens, G responses of R
 tokens. `response_only_sampler_cache` is response_only given the sampler's prefix cache (computed
-before the timer, as sampling already did it); plain `response_only` includes its own prefill. Each (mode, P) runs in its own subprocess: the jitted gradient computation is compiled
+before the timer, as sampling already did it); plain `response_only` includes its own prefill.
+Each (mode, P) runs in its own subprocess: the jitted gradient computation is compiled
 ahead of time (compile time reported separately), then run once and timed.
   xla_temp_mib  XLA's planned temporaries for the compiled step
   peak_rss_mib  the subprocess's peak resident set

@@ -167,7 +167,7 @@ def _pass_costs(cfg: ModelConfig, p: _Pass, fp8_indexer: bool) -> dict[str, tupl
     """(FLOPs, HBM bytes) per layer of each component for one forward pass."""
     d, h, c, r = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     n, v, q_rank, vocab = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.q_lora_rank, cfg.vocab_size
-    hi, di, k = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+    hi, di = cfg.index_n_heads, cfg.index_head_dim
     e, top, fe, ns, f = (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                          cfg.n_shared_experts, cfg.intermediate_size)
     t = p.n_q
@@ -330,7 +330,8 @@ def build_report(seq_len: int = 2_097_152, devices: int = 32, fp8_choice: str = 
         workloads[workload] = rows
 
     seed = {"hardware": SEED_HARDWARE, "devices": SEED_DEVICES, "first_candidate_s": SEED_FIRST_CANDIDATE_S,
-            "cached_candidate_s": SEED_CACHED_CANDIDATE_S, "measured_ratio": SEED_FIRST_CANDIDATE_S / SEED_CACHED_CANDIDATE_S,
+            "cached_candidate_s": SEED_CACHED_CANDIDATE_S,
+            "measured_ratio": SEED_FIRST_CANDIDATE_S / SEED_CACHED_CANDIDATE_S,
             "by_variant": {}}
     for name in workloads["prefill"]:
         pre = workloads["prefill"][name]["bounds"][SEED_HARDWARE]["total_s"]
@@ -358,7 +359,8 @@ def build_report(seq_len: int = 2_097_152, devices: int = 32, fp8_choice: str = 
     return {
         "seq_len": seq_len, "devices": devices, "response_len": response_len, "decode_samples": decode_samples,
         "model": {"layers": base.num_hidden_layers, "full_indexer_layers_indexshare": base.indexer_types.count("full"),
-                  "dense_mlp_layers": base.mlp_layer_types.count("dense"), "moe_layers": base.mlp_layer_types.count("sparse")},
+                  "dense_mlp_layers": base.mlp_layer_types.count("dense"),
+                  "moe_layers": base.mlp_layer_types.count("sparse")},
         "hardware": {name: dataclasses.asdict(hw) for name, hw in HARDWARE.items()},
         "assumptions": [
             "1 MAC = 2 FLOPs; tensor-core GEMM work only (norms, softmax, top-k, RoPE, MTP not counted)",
@@ -369,7 +371,8 @@ def build_report(seq_len: int = 2_097_152, devices: int = 32, fp8_choice: str = 
             "prefill: logits for the last token only; training: logits for every differentiated token",
             "training: backward = 2x forward FLOPs and bytes; indexer forward-only (discrete top-k)",
             f"train_response_only: R={response_len} response tokens on a cached prefix of seq_len-R tokens",
-            f"decode_cached: {decode_samples} samples x {response_len} steps on the cached prefix (seed's 2nd candidate)",
+            f"decode_cached: {decode_samples} samples x {response_len} steps on the cached prefix "
+            "(seed's 2nd candidate)",
             "fp8 indexer: indexer score GEMM at fp8 peak, fp8 q/k (+fp32 scale per key); everything else bf16",
         ],
         "workloads": workloads, "kv_cache": kv, "seed": seed, "design_check": check,
@@ -395,9 +398,11 @@ def format_report(rep: dict) -> str:
         f"with IndexShare; {rep['model']['dense_mlp_layers']} dense MLP + {rep['model']['moe_layers']} MoE layers).")
     hw = rep["hardware"]
     out("Peaks per GPU (dense): " + "; ".join(
-        f"{n} bf16 {h['bf16_flops'] / 1e12:g} / fp8 {h['fp8_flops'] / 1e12:g} TFLOP/s, HBM {h['hbm_bandwidth'] / 1e12:g} TB/s"
+        f"{n} bf16 {h['bf16_flops'] / 1e12:g} / fp8 {h['fp8_flops'] / 1e12:g} TFLOP/s, "
+        f"HBM {h['hbm_bandwidth'] / 1e12:g} TB/s"
         for n, h in hw.items()) + ".")
-    out("Bound = sum over components of max(compute, memory) at 100% of peak: a floor assuming perfect balance/overlap.")
+    out("Bound = sum over components of max(compute, memory) at 100% of peak: "
+        "a floor assuming perfect balance/overlap.")
     out("")
     ref = "indexshare/bf16_indexer" if "indexshare/bf16_indexer" in rep["workloads"]["prefill"] else \
         next(iter(rep["workloads"]["prefill"]))
@@ -437,7 +442,8 @@ def format_report(rep: dict) -> str:
             f"{kv['bytes_per_token']:,} | {kv['total_gib']:.1f} GiB | {kv['per_device_gib']:.2f} GiB |")
     out("")
     seed = rep["seed"]
-    out(f"### Seed run ({seed['devices']}x {seed['hardware']}) vs the {seed['hardware']} bounds on {rep['devices']} GPUs "
+    out(f"### Seed run ({seed['devices']}x {seed['hardware']}) vs the {seed['hardware']} bounds "
+        f"on {rep['devices']} GPUs "
         f"(measured first/cached = {seed['measured_ratio']:.1f}x)")
     out("")
     out(f"| variant | prefill bound | {seed['first_candidate_s']} s / bound | bound / measured | "

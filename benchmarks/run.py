@@ -384,7 +384,8 @@ class Runner:
         peaks = [row["polled_peak_rss_mib"], row.get("setup_peak_rss_mib", 0), row.get("run_peak_rss_mib", 0)]
         row["peak_rss_mib"] = max(peaks)
         brief = {k: row.get(k) for k in ("seconds", "step_seconds", "compile_seconds", "xla_temp_mib") if k in row}
-        self.log(f"[{task['kind']} {json.dumps(row['task'])}] {status} wall {wall:.1f}s peak {row['peak_rss_mib']:.0f} MiB "
+        self.log(f"[{task['kind']} {json.dumps(row['task'])}] {status} wall {wall:.1f}s "
+                 f"peak {row['peak_rss_mib']:.0f} MiB "
                  f"{json.dumps({k: round(v, 3) for k, v in brief.items()})}")
         if status == "error":
             self.log(row["stderr_tail"][-1500:])
@@ -596,7 +597,8 @@ def report(res: dict) -> str:
     out(f"Bench model: {res['config_summary']}")
     out(f"Machine: {m['cpu_count']} CPUs, {m['platform']}; jax {m['jax']}, torch {m['torch']}, "
         f"transformers {m['transformers']}; {m['date']}; `{m['command']}`")
-    out(f"Memory cap {res['settings']['mem_cap_gib']} GiB per row, time limit {res['settings']['max_row_seconds']} s per row.")
+    out(f"Memory cap {res['settings']['mem_cap_gib']} GiB per row, "
+        f"time limit {res['settings']['max_row_seconds']} s per row.")
     out("")
     sec = res["sections"]
     if "a" in sec:
@@ -606,7 +608,8 @@ def report(res: dict) -> str:
         if a["parity"]:
             out("Same weights (ours -> `save_pretrained` -> HF `from_pretrained`), logits compared:")
             out("")
-            out("| L | max abs logit diff | positions within 1e-4 | first position over 1e-4 | logit std | argmax agreement |")
+            out("| L | max abs logit diff | positions within 1e-4 | first position over 1e-4 | logit std "
+                "| argmax agreement |")
             out("|---|---|---|---|---|---|")
             for p in a["parity"]:
                 out(f"| {p['seq_len']:,} | {p['max_abs_diff']:.2e} | {p['positions_within_1e-4']:.4f} | "
@@ -633,7 +636,8 @@ def report(res: dict) -> str:
                 f"{cell(h, 'tokens_per_second', 4)} | {cell(h, 'peak_rss_mib', 4)} | "
                 f"{_fmt(r['hf_over_ours_seconds'])} | {_fmt(r['hf_over_ours_peak_rss'])} |")
         out("")
-        out(f"Longest L completed: ours {a['longest_ours']} (stopped: {a['sides']['ours']['stopped_by'] or 'end of list'}), "
+        out(f"Longest L completed: ours {a['longest_ours']} "
+            f"(stopped: {a['sides']['ours']['stopped_by'] or 'end of list'}), "
             f"HF {a['longest_hf']} (stopped: {a['sides']['hf']['stopped_by'] or 'end of list'}).")
         out("")
         _targets(out, a["targets"])
@@ -646,8 +650,10 @@ def report(res: dict) -> str:
         out("|---|---|---|---|---|---|---|")
         for r in b["rows"]:
             ok = r["status"] == "ok"
-            out(f"| {r['task']['prompt_len']:,} | {r['task']['mode']} | {_fmt(r.get('step_seconds')) if ok else r['status']} | "
-                f"{_fmt(r.get('compile_seconds'))} | {_fmt(r.get('xla_temp_mib'), 4)} | {_fmt(r.get('peak_rss_mib'), 4)} | "
+            step = _fmt(r.get('step_seconds')) if ok else r['status']
+            out(f"| {r['task']['prompt_len']:,} | {r['task']['mode']} | {step} | "
+                f"{_fmt(r.get('compile_seconds'))} | {_fmt(r.get('xla_temp_mib'), 4)} | "
+                f"{_fmt(r.get('peak_rss_mib'), 4)} | "
                 f"{_fmt(r.get('rss_growth_mib'), 4)} |")
         out("")
         out("| P | conventional / response_only (own prefill) | conventional / response_only (sampler cache) | "
@@ -655,7 +661,8 @@ def report(res: dict) -> str:
         out("|---|---|---|---|---|---|")
         for r in b["ratios"]:
             out(f"| {r['prompt_len']:,} | {_fmt(r['conventional_over_response_only'])} | "
-                f"{_fmt(r['conventional_over_response_only_sampler_cache'])} | {_fmt(r['shared_prefix_over_conventional'])} | "
+                f"{_fmt(r['conventional_over_response_only_sampler_cache'])} | "
+                f"{_fmt(r['shared_prefix_over_conventional'])} | "
                 f"{_fmt(r['max_logprob_diff_across_modes'])} | {_fmt(r['max_loss_diff_across_modes'])} |")
         out("")
         _targets(out, b["targets"])
@@ -670,7 +677,8 @@ def report(res: dict) -> str:
                 f"{c['first']['prefill_seconds']:.3g} | {c['first']['prefix_hit_tokens']:,} |")
             out(f"| second (prefix cache) | {c['second']['seconds']:.3g} | {c['second']['prefill_seconds']:.3g} | "
                 f"{c['second']['prefix_hit_tokens']:,} |")
-            out(f"| **ratio** | **{c['speedup']:.3g}x** | {c['first']['prefill_seconds'] / c['second']['prefill_seconds']:.3g}x | |")
+            prefill_ratio = c['first']['prefill_seconds'] / c['second']['prefill_seconds']
+            out(f"| **ratio** | **{c['speedup']:.3g}x** | {prefill_ratio:.3g}x | |")
         else:
             out(f"status: {c['status']}")
         out("")
@@ -699,7 +707,8 @@ def report(res: dict) -> str:
                 "XLA / ideal | XLA / as compiled |")
             out("|---|---|---|---|---|---|---|")
             for kind, r in e["layers"].items():
-                out(f"| {kind} MLP, full indexer | {r['xla_flops_one_block']:.4e} | {r['xla_flops_default_blocks']:.4e} | "
+                out(f"| {kind} MLP, full indexer | {r['xla_flops_one_block']:.4e} | "
+                    f"{r['xla_flops_default_blocks']:.4e} | "
                     f"{r['ideal_total']:.4e} | {r['as_compiled_total']:.4e} | {r['xla_over_ideal']:.3f} | "
                     f"{r['xla_over_as_compiled']:.3f} |")
             out("")
@@ -732,7 +741,8 @@ def machine_info(argv) -> dict:
 
     return {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
             "jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
-            "jax_platforms": os.environ.get("JAX_PLATFORMS"), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "jax_platforms": os.environ.get("JAX_PLATFORMS"),
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "command": " ".join(["python", "-m", "benchmarks.run"] + list(argv))}
 
 
@@ -747,7 +757,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny lengths: a smoke test of every section")
-    parser.add_argument("--out", help="JSON path (default benchmarks/results/run[_quick].json); a directory gets run[_quick].json")
+    parser.add_argument("--out", help="JSON path (default benchmarks/results/run[_quick].json); "
+                                      "a directory gets run[_quick].json")
     parser.add_argument("--mem_cap_gib", type=float, default=14.0)
     parser.add_argument("--max_row_seconds", type=float, default=600.0)
     parser.add_argument("--sections", default="a,b,c,d,e")
@@ -790,8 +801,9 @@ def main(argv: list[str] | None = None) -> int:
            "config_summary": (f"vocab {cfg.vocab_size}, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers "
                               f"({'/'.join(cfg.mlp_layer_types)}; indexers {'/'.join(cfg.indexer_types)}), "
                               f"{cfg.num_attention_heads} heads, q_lora {cfg.q_lora_rank}, kv_lora {cfg.kv_lora_rank}, "
-                              f"{cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok} + {cfg.n_shared_experts} shared, "
-                              f"indexer {cfg.index_n_heads}x{cfg.index_head_dim}, index_topk {cfg.index_topk}, float32"),
+                              f"{cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok} "
+                              f"+ {cfg.n_shared_experts} shared, indexer {cfg.index_n_heads}x{cfg.index_head_dim}, "
+                              f"index_topk {cfg.index_topk}, float32"),
            "sections": {}}
     workdir = tempfile.mkdtemp(prefix="glm52_bench_")
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731

@@ -7,10 +7,10 @@ shared_prefix on one rollout group, no optimizer step.
 Same model and LoRA as configs/2m.py; native positions suffice for 32,768 + 16 tokens.
 """
 
-import ml_collections
-
 import importlib.util
 from pathlib import Path
+
+import ml_collections
 
 
 def get_config() -> ml_collections.ConfigDict:

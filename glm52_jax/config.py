@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from glm52_jax import positions
 
@@ -159,12 +160,12 @@ class ModelConfig:
         require(all(isinstance(e, int) and 0 <= e < self.vocab_size for e in self.eos_token_id), "eos_token_id",
                 f"{self.eos_token_id} has ids outside [0, vocab_size={self.vocab_size})")
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     # -- HF config.json -----------------------------------------------------------------------
     @classmethod
-    def from_hf_dict(cls, raw: Mapping[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, raw: Mapping[str, Any]) -> ModelConfig:
         """Builds a config from a parsed HF `config.json` dict (legacy rope keys accepted)."""
         raw = dict(raw)
         model_type = raw.get("model_type")
@@ -220,7 +221,7 @@ class ModelConfig:
         return out
 
     @classmethod
-    def from_json_file(cls, path: str | os.PathLike) -> "ModelConfig":
+    def from_json_file(cls, path: str | os.PathLike) -> ModelConfig:
         try:
             with open(path, encoding="utf-8") as f:
                 raw = json.load(f)
@@ -237,7 +238,7 @@ class ModelConfig:
             json.dump(self.to_hf_dict(), f, indent=2, sort_keys=True)
         os.replace(tmp, path)
 
-    def with_rope_scaling(self, scaling: positions.RopeScaling) -> "ModelConfig":
+    def with_rope_scaling(self, scaling: positions.RopeScaling) -> ModelConfig:
         """This config with an explicit position-extension payload applied."""
         if scaling.rope.rope_theta != self.rope.rope_theta:
             raise ValueError(
@@ -245,7 +246,7 @@ class ModelConfig:
                 f"rope_theta={self.rope.rope_theta}")
         return self.replace(max_position_embeddings=scaling.max_position_embeddings, rope=scaling.rope)
 
-    def with_env_rope_scaling(self) -> "ModelConfig":
+    def with_env_rope_scaling(self) -> ModelConfig:
         """Applies `$GLM52_ROPE_SCALING_JSON` when set; returns self unchanged otherwise."""
         scaling = positions.rope_scaling_from_env()
         return self if scaling is None else self.with_rope_scaling(scaling)

@@ -83,7 +83,8 @@ def main(argv):
             sample["text"] = tokenizer.decode(ids)
         samples.append(sample)
     print(json.dumps({"prompt_tokens": len(prompt), "samples": samples,
-                      "prefill_seconds": round(res.prefill_seconds, 3), "decode_seconds": round(res.decode_seconds, 3)}))
+                      "prefill_seconds": round(res.prefill_seconds, 3),
+                      "decode_seconds": round(res.decode_seconds, 3)}))
 
 
 if __name__ == "__main__":

@@ -60,7 +60,8 @@ def _forward(c) -> dict:
     ids = np.random.default_rng(c.seed).integers(0, model.cfg.vocab_size, (1, FLAGS.seq_len))
     graphdef, state = nnx.split(model)
     start = time.perf_counter()
-    out = np.asarray(jax.jit(lambda s, x: token_logprobs(nnx.merge(graphdef, s), x))(state, jnp.asarray(ids, jnp.int32)))
+    logprobs = jax.jit(lambda s, x: token_logprobs(nnx.merge(graphdef, s), x))
+    out = np.asarray(logprobs(state, jnp.asarray(ids, jnp.int32)))
     if not np.isfinite(out).all():
         raise SystemExit("non-finite log-probs")
     return {"model": str(plan.checkpoint or f"random:{c.model.preset}"), "seq_len": FLAGS.seq_len,
@@ -107,8 +108,8 @@ def _plan(c) -> dict:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from glm52_jax.parallel import distributed
     from glm52_jax.checkpoint.train_state import CheckpointMismatchError
+    from glm52_jax.parallel import distributed
     from glm52_jax.rl.transaction import ConfigError, run_online
 
     c = FLAGS.config

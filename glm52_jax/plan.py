@@ -69,7 +69,8 @@ import os
 import re
 import sys
 import time
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 PROGRAMS = ("prefill", "forward", "decode", "train")
 COLLECTIVE_KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -150,7 +151,7 @@ def _split_instr(rest: str) -> tuple[str, str, str, str] | None:
     """`TYPE opcode(operands), attrs` -> its four parts (TYPE may be a nested tuple)."""
     if rest.startswith("("):
         depth = 0
-        for i, ch in enumerate(rest):
+        for i, ch in enumerate(rest):  # noqa: B007 (i is the closing position after the loop)
             depth += ch == "("
             depth -= ch == ")"
             if depth == 0:
@@ -395,7 +396,8 @@ def analyze_hlo(text: str, top: int = 8) -> dict[str, Any]:
 def _sds(shape, dtype, mesh, axes: Sequence[str | None] | None):
     """A ShapeDtypeStruct sharded by logical `axes` (None: replicated) under the active rules."""
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from glm52_jax.parallel.rules import logical_to_spec
 
@@ -572,7 +574,8 @@ def _train_program(s: _Setup, adamw):
     import jax
     import optax
     from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from glm52_jax.model.lora import LoRA
     from glm52_jax.rl import gradients

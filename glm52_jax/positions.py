@@ -20,10 +20,11 @@ import json
 import math
 import numbers
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-import jax.numpy as jnp
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 ROPE_SCALING_ENV = "GLM52_ROPE_SCALING_JSON"
@@ -63,7 +64,7 @@ class RopeParameters:
         max_position_embeddings: int,
         where: str = "rope_parameters",
         require_original: bool = False,
-    ) -> "RopeParameters":
+    ) -> RopeParameters:
         """Validates a rope dict; errors name the offending key as `where.key`.
 
         HF semantics: `type` is accepted for `rope_type`; a yarn dict without

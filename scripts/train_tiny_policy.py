@@ -21,7 +21,8 @@ indexer gets no gradient from the LM loss, and with its random init (index_topk 
 model stays stuck at the marginal answer distribution for a long time; teaching each full layer's
 indexer to select the problem-statement and completion keys for the completion queries makes it
 learn as fast as dense attention (20-row test, 80 steps: mean P(exact) 0.30 with it, 0.05 without,
-0.28 with index_topk=512 at 3x the step time). That loss moves indexer parameters only. The architecture is exactly `tiny()`.
+0.28 with index_topk=512 at 3x the step time). That loss moves indexer parameters only. The
+architecture is exactly `tiny()`.
 
 Stopping: the loss pass also yields, per sequence, the probability of sampling the exact target
 completion at T=1 (`exp(sum log p)`). Training stops at the first step where the mean of each pair's
@@ -51,12 +52,12 @@ import numpy as np
 import optax
 from flax import nnx
 
+from glm52_jax import positions as rope_lib
 from glm52_jax.checkpoint.hf import load_pretrained, save_pretrained
 from glm52_jax.config import tiny
-from glm52_jax.model.options import ModelOptions
-from glm52_jax import positions as rope_lib
 from glm52_jax.model.indexer import block_scores
 from glm52_jax.model.layers import project
+from glm52_jax.model.options import ModelOptions
 from glm52_jax.model.transformer import GlmMoeDsa, target_logprobs
 from glm52_jax.rl.data import load_rows
 from glm52_jax.rl.prompts import QUESTION_SEPARATOR, build_exact_prompt, layout_exact_prompt, min_prompt_tokens
@@ -236,7 +237,8 @@ def main(argv=None) -> int:
     ap.add_argument("--indexer_aux", type=float, default=1.0,
                     help="weight of the indexer-alignment loss (0: off; it only trains indexer parameters)")
     ap.add_argument("--index_topk", type=int, default=0, help="override tiny()'s index_topk (0: keep 32)")
-    ap.add_argument("--train_rows", type=int, default=0, help="train on the first K rows only (0: all; for experiments)")
+    ap.add_argument("--train_rows", type=int, default=0,
+                    help="train on the first K rows only (0: all; for experiments)")
     ap.add_argument("--eval_rows", type=int, default=0, help="evaluate on the first K training rows (0: all, <0: skip)")
     ap.add_argument("--eval_all_lengths", action="store_true", help="also evaluate at N + extra_length")
     ap.add_argument("--log_every", type=int, default=20)
@@ -315,8 +317,8 @@ def main(argv=None) -> int:
             chunk = np.concatenate([chunk, np.repeat(chunk[-1:], args.batch - real)])
             batch = [np.asarray(x[chunk]) for x in data]
             batch[3][real:] = 0.0  # padding copies count for nothing
-            _, (l, _, e) = eval_loss(params, rest, *(jnp.asarray(x) for x in batch))
-            nll += float(l) * batch[3].sum()
+            _, (batch_nll, _, e) = eval_loss(params, rest, *(jnp.asarray(x) for x in batch))
+            nll += float(batch_nll) * batch[3].sum()
             ntok += batch[3].sum()
             exacts.extend(np.asarray(e)[:real].tolist())
         final[n] = (nll / ntok, float(np.mean(exacts)))
@@ -351,7 +353,8 @@ def main(argv=None) -> int:
     lines = [
         "# tiny_policy: SFT of `glm52_jax.config.tiny()` on the 75 bundled math rows",
         f"- Command: `{cmd}` (seed {args.seed}, AdamW lr {args.lr}, batch {args.batch}, float32, indexer-alignment "
-        f"aux weight {args.indexer_aux}); wall {wall:.0f}s on a shared 2-core CPU. Config overrides: {overrides or 'none'}.",
+        f"aux weight {args.indexer_aux}); wall {wall:.0f}s on a shared 2-core CPU. "
+        f"Config overrides: {overrides or 'none'}.",
         f"- Steps: {step_i} (stop rule: {stopped}). Prompt lengths (build_exact_prompt): {lengths}; target = "
         + ("`\\nAnswer: <answer><|endoftext|>`." if args.target == "answer"
            else "`\\n<check> = <answer>\\nAnswer: <answer><|endoftext|>`."),

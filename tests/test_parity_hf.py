@@ -5,14 +5,14 @@ checkpoint mapping and the math together: max |logit difference| <= 1e-4 and ide
 top-k sets (causal entries) on every full layer.
 """
 
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from hf_reference import causal_topk_sets, hf_logits_and_topk, random_hf_model, save_hf
 
 import glm52_jax
 from glm52_jax import config, positions
 from glm52_jax.model.options import ModelOptions
-from hf_reference import causal_topk_sets, hf_logits_and_topk, random_hf_model, save_hf
 
 LOGIT_ATOL = 1e-4
 

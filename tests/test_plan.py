@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from glm52_jax import config, plan as planlib
+from glm52_jax import config
+from glm52_jax import plan as planlib
 from glm52_jax.model.lora import LoRAConfig
 from glm52_jax.model.options import ModelOptions
 from glm52_jax.parallel.mesh import MeshSpec

@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -162,7 +162,8 @@ def expected_tensors(cfg: ModelConfig, fused_experts: bool = False) -> dict[str,
             })
         if mlp_type == "dense":
             ii = cfg.intermediate_size
-            shapes.update({"mlp.gate_proj.weight": (ii, d), "mlp.up_proj.weight": (ii, d), "mlp.down_proj.weight": (d, ii)})
+            shapes.update({"mlp.gate_proj.weight": (ii, d), "mlp.up_proj.weight": (ii, d),
+                           "mlp.down_proj.weight": (d, ii)})
         else:
             si = i_moe * cfg.n_shared_experts
             shapes.update({
@@ -210,7 +211,7 @@ class _Checkpoint:
                 raise ValueError(f"{index}: lists shard {name!r}, which does not exist")
             self.files[name] = SafetensorsFile(fp)
         self.where: dict[str, SafetensorsFile] = {}
-        for name, f in self.files.items():
+        for f in self.files.values():
             for key in f.keys():
                 self.where[key] = f
         if weight_map is not None:
@@ -324,7 +325,7 @@ def load_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, shardings=None,
             layer0 = layer_of[(stack, 0, slot)]
             reader, is_expert = _per_layer_reader(cfg, ckpt, fused, kinds[layer0], rel)
 
-            def read(index, stack=stack, slot=slot, reader=reader, is_expert=is_expert):
+            def read(index, stack=stack, slot=slot, reader=reader, is_expert=is_expert, shape=shape):
                 reps = range(shape[0])[index[0]]
                 expert_index = index[1] if is_expert else slice(None)
                 rest = (slice(None),) + tuple(index[2:]) if is_expert else tuple(index[1:])
@@ -447,7 +448,8 @@ def save_pretrained(model: GlmMoeDsa, path: str | os.PathLike, *, max_shard_byte
         for f in names + ["config.json"]:
             os.replace(os.path.join(tmp, f), os.path.join(path, f))
         # Then drop the previous layout's leftovers so the directory holds exactly one checkpoint.
-        stale = [SINGLE_FILE, INDEX_FILE] + [f for f in os.listdir(path) if re.fullmatch(r"model-\d+-of-\d+\.safetensors", f)]
+        shards = [f for f in os.listdir(path) if re.fullmatch(r"model-\d+-of-\d+\.safetensors", f)]
+        stale = [SINGLE_FILE, INDEX_FILE] + shards
         for f in stale:
             if f not in names and os.path.exists(os.path.join(path, f)):
                 os.remove(os.path.join(path, f))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -113,7 +113,7 @@ def write_safetensors(path: str | os.PathLike, tensors: Iterable[tuple[str, np.n
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for name, arr in items:
+        for _, arr in items:
             data = arr.materialize() if isinstance(arr, LazyTensor) else arr
             f.write(np.ascontiguousarray(data).tobytes())
 

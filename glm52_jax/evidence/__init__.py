@@ -10,10 +10,25 @@ CLI: `python -m glm52_jax.evidence verify RECEIPT [--json]` / `show RECEIPT`. No
 """
 
 from glm52_jax.evidence.atomic import atomic_write_bytes, atomic_write_json, atomic_write_text
-from glm52_jax.evidence.provenance import (canonical_json, canonical_sha256, collect_provenance, config_hash,
-                                           git_info, package_versions, source_digest)
-from glm52_jax.evidence.receipt import (RECEIPT_NAME, SCHEMA, VERSION, EvidenceError, EvidenceWriter,
-                                        deterministic_view, load_receipt, verify)
+from glm52_jax.evidence.provenance import (
+                                           canonical_json,
+                                           canonical_sha256,
+                                           collect_provenance,
+                                           config_hash,
+                                           git_info,
+                                           package_versions,
+                                           source_digest,
+)
+from glm52_jax.evidence.receipt import (
+                                           RECEIPT_NAME,
+                                           SCHEMA,
+                                           VERSION,
+                                           EvidenceError,
+                                           EvidenceWriter,
+                                           deterministic_view,
+                                           load_receipt,
+                                           verify,
+)
 
 __all__ = ["RECEIPT_NAME", "SCHEMA", "VERSION", "EvidenceError", "EvidenceWriter", "atomic_write_bytes",
            "atomic_write_json", "atomic_write_text", "canonical_json", "canonical_sha256", "collect_provenance",

@@ -14,8 +14,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from glm52_jax.evidence.receipt import NONDETERMINISTIC_KEY, RECEIPT_NAME, RESERVED_KEYS, EvidenceError, \
-    load_receipt, verify
+from glm52_jax.evidence.receipt import (
+    NONDETERMINISTIC_KEY,
+    RECEIPT_NAME,
+    RESERVED_KEYS,
+    EvidenceError,
+    load_receipt,
+    verify,
+)
 
 
 def _receipt_path(arg: str) -> Path:

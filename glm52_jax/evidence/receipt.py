@@ -202,7 +202,7 @@ class EvidenceWriter:
         receipt: dict[str, Any] = {
             "schema": SCHEMA,
             "version": VERSION,
-            "created_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+            "created_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
             "provenance": self.provenance,
             **fields,
             "manifest": manifest,

@@ -5,7 +5,8 @@ Score of key s for query t (HF `GlmMoeDsaIndexer`):
 over causal keys (pos[s] <= pos[t]); each query keeps the top `index_topk` keys.
 
 Scalable path: queries are processed in blocks (`lax.map`), and for each block the keys stream
-through in blocks (a `fori_loop` that stops at the last causally visible block) while a running top-k is merged with each new block's scores. No
+through in blocks (a `fori_loop` that stops at the last causally visible block) while a running
+top-k is merged with each new block's scores. No
 `[S, T]` array exists; live memory is `O(query_block * (topk + key_block))`.
 
 Axis letters: B batch, S queries, T keys, H indexer heads, I indexer head dim, K top-k, D model dim,
@@ -13,7 +14,6 @@ Q q_lora rank, R rotary dim.
 """
 
 from __future__ import annotations
-
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +34,8 @@ class Indexer(nnx.Module):
         self.n_heads = cfg.index_n_heads
         self.head_dim = cfg.index_head_dim
         self.rope_dim = cfg.qk_rope_head_dim
-        self.wq_b = param(rngs, (cfg.q_lora_rank, self.n_heads, self.head_dim), ("q_lora", "index_heads", "index_dim"), dtype)
+        self.wq_b = param(rngs, (cfg.q_lora_rank, self.n_heads, self.head_dim), ("q_lora", "index_heads", "index_dim"),
+                          dtype)
         self.wk = param(rngs, (cfg.hidden_size, self.head_dim), ("embed", "index_dim"), dtype)
         self.k_norm = LayerNorm(self.head_dim, 1e-6, "index_dim", dtype)
         self.weights_proj = param(rngs, (cfg.hidden_size, self.n_heads), ("embed", "index_heads"), jnp.float32)

@@ -54,7 +54,8 @@ def route(cfg: ModelConfig, x: jax.Array, router: jax.Array, bias: jax.Array) ->
         grouped = choice.reshape(-1, groups, cfg.n_routed_experts // groups)
         group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [T,G]
         _, keep = jax.lax.top_k(group_scores, cfg.topk_group)
-        group_mask = jnp.zeros_like(group_scores, dtype=bool).at[jnp.arange(group_scores.shape[0])[:, None], keep].set(True)
+        rows = jnp.arange(group_scores.shape[0])[:, None]
+        group_mask = jnp.zeros_like(group_scores, dtype=bool).at[rows, keep].set(True)
         choice = jnp.where(jnp.repeat(group_mask, cfg.n_routed_experts // groups, axis=-1), choice, -jnp.inf)
     _, experts = jax.lax.top_k(choice, cfg.num_experts_per_tok)
     weights = jnp.take_along_axis(scores, experts, axis=-1)

@@ -12,7 +12,7 @@ Axis letters: B batch, S sequence, D model, V vocab, K indexer top-k.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,11 +20,11 @@ from flax import nnx
 
 from glm52_jax import positions as rope_lib
 from glm52_jax.config import ModelConfig
+from glm52_jax.model.kv_cache import KVCache, LayerCacheView, cache_from_entries, init_cache, write_chunk
 from glm52_jax.model.layers import RMSNorm, param
 from glm52_jax.model.lora import adapter
 from glm52_jax.model.mla import Attention
 from glm52_jax.model.moe import MLP, MoE
-from glm52_jax.model.kv_cache import KVCache, LayerCacheView, cache_from_entries, init_cache, write_chunk
 from glm52_jax.model.options import ModelOptions
 from glm52_jax.parallel import context
 from glm52_jax.parallel.rules import constrain

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 DEFAULT_PORT = 12355
 
@@ -70,7 +70,8 @@ def from_env(env: Mapping[str, str] | None = None) -> ProcessGroup | None:
     return group
 
 
-def initialize(env: Mapping[str, str] | None = None, *, timeout_s: int = 300, heartbeat_s: int = 100) -> ProcessGroup | None:
+def initialize(env: Mapping[str, str] | None = None, *, timeout_s: int = 300,
+               heartbeat_s: int = 100) -> ProcessGroup | None:
     """Joins the process group from the environment (no-op for a single process).
 
     `heartbeat_s` bounds how long a live process keeps waiting on a dead peer before it fails.

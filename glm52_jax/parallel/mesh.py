@@ -13,7 +13,7 @@ says where they go (see `parallel.rules`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 from jax.sharding import AxisType, Mesh
@@ -43,7 +43,7 @@ class MeshSpec:
                              f"equal to context ({self.context}), got {self.expert}")
 
     @classmethod
-    def seed_training(cls, devices: int = 32) -> "MeshSpec":
+    def seed_training(cls, devices: int = 32) -> MeshSpec:
         """The seed's training topology: TP1 / CP=devices / EP=devices / PP1 on one folded axis."""
         return cls(context=devices, expert=devices, folded=True)
 

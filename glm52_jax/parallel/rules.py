@@ -7,7 +7,7 @@ model. Names with no rule, and mesh axes the current mesh lacks, are left unshar
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
 from jax.sharding import PartitionSpec as P

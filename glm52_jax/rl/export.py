@@ -14,7 +14,6 @@ model and adapter shapes come from it.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Any

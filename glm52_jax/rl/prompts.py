@@ -50,7 +50,7 @@ _PLACES = ("the quiet river", "the empty field", "the sleeping town", "the north
 _TAILS = ("as the day ends.", "under a pale sky.", "long after sunset.", "in the cold morning.",
           "while the lanterns dim.", "before the rain returns.")
 
-_BLOCK_CACHE: "weakref.WeakKeyDictionary[Tokenizer, dict[int, np.ndarray]]" = weakref.WeakKeyDictionary()
+_BLOCK_CACHE: weakref.WeakKeyDictionary[Tokenizer, dict[int, np.ndarray]] = weakref.WeakKeyDictionary()
 
 
 def filler_lines(seed: int = 0, n_lines: int = FILLER_LINES) -> list[str]:

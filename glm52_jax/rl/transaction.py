@@ -18,8 +18,9 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -268,7 +269,8 @@ def build_policy(c, plan: Plan, mesh=None):
     model = attach_lora(base, lora_cfg, seed=c.seed)
     if mesh is not None:
         model = place_model(model, mesh)  # the adapters (and a seeded base); placed weights stay put
-    optimizer = LoRAOptimizer(model, AdamWConfig(learning_rate=float(t.learning_rate), weight_decay=float(t.weight_decay),
+    optimizer = LoRAOptimizer(model, AdamWConfig(learning_rate=float(t.learning_rate),
+                                                 weight_decay=float(t.weight_decay),
                                                  max_grad_norm=t.max_grad_norm))
     return model, optimizer
 

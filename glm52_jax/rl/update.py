@@ -106,8 +106,11 @@ class UpdateResult:
     grads: nnx.State | None = None
 
 
+DEFAULT_LOSS = LossSettings()  # frozen: safe to share as a default
+
+
 def grpo_update(model: nnx.Module, optimizer: LoRAOptimizer, prompt, responses, response_mask, old_logprobs,
-                advantages, *, mode: str = "shared_prefix", loss: LossSettings = LossSettings(),
+                advantages, *, mode: str = "shared_prefix", loss: LossSettings = DEFAULT_LOSS,
                 prefix_cache: KVCache | None = None) -> UpdateResult:
     """G per-sample backwards in `mode`, accumulated, then exactly one AdamW step on the adapters.
 

@@ -10,7 +10,7 @@ is bounded by `max_bytes`; the least recently used entries are evicted first.
 from __future__ import annotations
 
 import collections
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 

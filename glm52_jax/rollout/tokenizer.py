@@ -72,7 +72,7 @@ class ChatTemplate:
                 raise ValueError(f"ChatTemplate.{name} must be a str")
 
     @classmethod
-    def glm5(cls, *, thinking: bool = True) -> "ChatTemplate":
+    def glm5(cls, *, thinking: bool = True) -> ChatTemplate:
         """GLM-4.7/GLM-5.x layout (no newline after role tokens). Generation prompt
         `<|assistant|><think>` when `thinking`, else `<|assistant|></think>` [unverified]."""
         return cls(system="<|system|>{content}", user="<|user|>{content}", assistant="<|assistant|>{content}",
@@ -137,7 +137,7 @@ class Tokenizer:
             raise ValueError(f"none of the eos tokens {tuple(eos_tokens)} is a special token of this tokenizer")
 
     @classmethod
-    def default(cls, **kwargs) -> "Tokenizer":
+    def default(cls, **kwargs) -> Tokenizer:
         return cls(default_tokenizer_path(), **kwargs)
 
     @property

@@ -24,13 +24,13 @@ import safetensors.torch
 import torch
 import transformers
 from flax import nnx
+from hf_reference import hf_logits_and_topk, random_hf_model, save_hf
 
 import glm52_jax
 from glm52_jax import config
 from glm52_jax.checkpoint import hf as hf_io
 from glm52_jax.checkpoint.safetensors_io import SafetensorsFile
 from glm52_jax.parallel.rules import axis_rules
-from hf_reference import hf_logits_and_topk, random_hf_model, save_hf
 
 ATOL = 1e-4
 INDEXER_TYPES = ("full", "full", "shared", "full", "shared")

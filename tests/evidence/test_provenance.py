@@ -11,9 +11,18 @@ import subprocess
 import numpy as np
 import pytest
 
-from glm52_jax.evidence.provenance import (canonical_json, canonical_sha256, check_json, collect_provenance,
-                                           config_hash, git_info, package_root, package_versions, source_digest,
-                                           source_files)
+from glm52_jax.evidence.provenance import (
+    canonical_json,
+    canonical_sha256,
+    check_json,
+    collect_provenance,
+    config_hash,
+    git_info,
+    package_root,
+    package_versions,
+    source_digest,
+    source_files,
+)
 
 
 def test_canonical_json_is_order_independent_and_exact():

@@ -11,8 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from glm52_jax.evidence import (EvidenceError, EvidenceWriter, canonical_sha256, deterministic_view, load_receipt,
-                                verify)
+from glm52_jax.evidence import EvidenceError, EvidenceWriter, canonical_sha256, deterministic_view, load_receipt, verify
 from glm52_jax.evidence.__main__ import main
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,13 +1,13 @@
 """Streaming top-k (the default path) against the dense-score oracle."""
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
-
-from glm52_jax.model.indexer import INVALID, cached_topk, streaming_topk
 from dense_oracle import dense_topk
 from jaxpr_utils import largest_intermediate
+
+from glm52_jax.model.indexer import INVALID, cached_topk, streaming_topk
 
 
 def _inputs(seed, b=2, s=37, t=37, h=4, i=16):
@@ -84,6 +84,7 @@ def test_no_score_matrix_in_default_path():
     w = jax.ShapeDtypeStruct((1, s, 2), jnp.float32)
     k = jax.ShapeDtypeStruct((1, s, 8), jnp.float32)
     pos = jax.ShapeDtypeStruct((s,), jnp.int32)
-    fn = lambda q, w, k, p: streaming_topk(q, w, k, p, p, 64, scale=1.0, query_block=128, key_block=256)
+    def fn(q, w, k, p):
+        return streaming_topk(q, w, k, p, p, 64, scale=1.0, query_block=128, key_block=256)
     biggest = largest_intermediate(jax.make_jaxpr(fn)(q, w, k, pos))
     assert biggest < s * s // 16, biggest

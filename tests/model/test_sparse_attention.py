@@ -1,13 +1,13 @@
 """Gather-based absorbed sparse MLA against the dense-mask oracle (values and gradients)."""
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from dense_oracle import dense_sparse_mla
 
 from glm52_jax.model.indexer import streaming_topk
 from glm52_jax.model.sparse_attention import sparse_mla
-from dense_oracle import dense_sparse_mla
 
 
 def _inputs(seed, b=2, s=29, h=3, c=16, r=8, k=9):

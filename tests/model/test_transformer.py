@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jaxpr_utils import largest_intermediate
 
 import glm52_jax
 from glm52_jax import config
 from glm52_jax.model.transformer import GlmMoeDsa, Segment, layer_kinds, plan_segments
-from jaxpr_utils import largest_intermediate
 
 F32 = glm52_jax.ModelOptions(param_dtype=jnp.float32, indexer_query_block=16, indexer_key_block=16,
                              attention_query_block=8)

@@ -22,12 +22,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 def training_problem():
     """(model, batch): a 2-layer tiny policy with nonzero LoRA B, one prompt (45) and G=2 responses."""
     import jax.numpy as jnp
+    from lora_utils import fast_rngs, with_random_b
 
     import glm52_jax
     from glm52_jax import config
     from glm52_jax.model.lora import LoRAConfig
     from glm52_jax.model.transformer import GlmMoeDsa
-    from lora_utils import fast_rngs, with_random_b
 
     opts = glm52_jax.ModelOptions(param_dtype=jnp.float32, indexer_query_block=16, indexer_key_block=16,
                                   attention_query_block=8, lora=LoRAConfig(rank=4, alpha=8.0))
@@ -70,7 +70,8 @@ def main():
     group = distributed.initialize(heartbeat_s=int(os.environ.get("HEARTBEAT_S", "10")))
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from glm52_jax.parallel.mesh import parse_mesh
 

@@ -62,7 +62,7 @@ def _spawn(mode: str, heartbeat_s: int = 10, extra=()):
 def test_two_processes_form_one_mesh():
     procs = _spawn("sum")
     outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     data = np.arange(8 * 6 * 5, dtype=np.float32).reshape(8, 6, 5) / 7.0
@@ -94,7 +94,7 @@ def test_two_processes_run_a_sharded_forward_and_training_step(tmp_path):
     out_file = tmp_path / "sharded.npz"
     procs = _spawn("train", extra=[str(out_file)])
     outs = [p.communicate(timeout=600) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     sharded = dict(np.load(out_file))
 

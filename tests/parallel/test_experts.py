@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from glm52_jax.model.lora import LoRAConfig, adapter
 from glm52_jax.model.moe import experts_ragged
@@ -42,7 +43,7 @@ class ExpertLoRA(nnx.Module):
         return self.gate, self.up, self.down
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _lora():
     """(graphdef, state) of the adapters, built once: eager nnx construction costs seconds on CPU."""
     return nnx.split(ExpertLoRA(nnx.Rngs(0, lora=1)))

@@ -12,18 +12,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from lora_utils import fast_rngs, with_random_b
 
 import glm52_jax
 from glm52_jax import config
+from glm52_jax.model.kv_cache import broadcast_batch
 from glm52_jax.model.lora import LoRAConfig
 from glm52_jax.model.transformer import GlmMoeDsa
 from glm52_jax.parallel.mesh import parse_mesh
 from glm52_jax.parallel.placement import place_model
 from glm52_jax.parallel.rules import axis_rules
 from glm52_jax.rl.gradients import MODES, lora_gradients
-from glm52_jax.model.kv_cache import broadcast_batch
 from glm52_jax.rollout.sampler import Sampler, SamplingParams
-from lora_utils import fast_rngs, with_random_b
 
 OPTS = glm52_jax.ModelOptions(param_dtype=jnp.float32, indexer_query_block=16, indexer_key_block=16,
                               attention_query_block=8, lora=LoRAConfig(rank=4, alpha=8.0))

@@ -10,8 +10,15 @@ from fractions import Fraction
 
 import pytest
 
-from glm52_jax.rl.data import (DAPO_PROMPT_TEMPLATE, DapoFormatError, DapoRow, dapo_record, default_problems_path,
-                               load_rows, parse_row)
+from glm52_jax.rl.data import (
+    DAPO_PROMPT_TEMPLATE,
+    DapoFormatError,
+    DapoRow,
+    dapo_record,
+    default_problems_path,
+    load_rows,
+    parse_row,
+)
 
 # ---- a small safe evaluator for extra_info["check"] (exact rational arithmetic) --------------------
 

@@ -7,14 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from lora_utils import fast_rngs, with_random_b
 
 import glm52_jax
 from glm52_jax import config
 from glm52_jax.model.lora import FAMILIES, LoRA, LoRAConfig
 from glm52_jax.model.transformer import GlmMoeDsa
 from glm52_jax.rl import grpo
-from glm52_jax.rl.gradients import MODES, LossSettings, lora_gradients, sample_loss, _normalisers
-from lora_utils import fast_rngs, with_random_b
+from glm52_jax.rl.gradients import MODES, LossSettings, _normalisers, lora_gradients, sample_loss
 
 OPTS = glm52_jax.ModelOptions(param_dtype=jnp.float32, indexer_query_block=16, indexer_key_block=16,
                               attention_query_block=8, lora=LoRAConfig(rank=4, alpha=8.0))

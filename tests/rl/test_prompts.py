@@ -6,8 +6,14 @@ import numpy as np
 import pytest
 
 from glm52_jax.rl.data import load_rows
-from glm52_jax.rl.prompts import (QUESTION_SEPARATOR, build_exact_prompt, filler_block, filler_lines,
-                                  layout_exact_prompt, min_prompt_tokens)
+from glm52_jax.rl.prompts import (
+    QUESTION_SEPARATOR,
+    build_exact_prompt,
+    filler_block,
+    filler_lines,
+    layout_exact_prompt,
+    min_prompt_tokens,
+)
 from glm52_jax.rollout.tokenizer import ChatTemplate, Tokenizer
 
 GMASK, SOP, SYSTEM, USER, ASSISTANT = 0, 2, 3, 4, 5

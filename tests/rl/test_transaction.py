@@ -283,8 +283,9 @@ def test_bad_rope_scaling_payload(tmp_path, monkeypatch, payload, match):
 
 
 def _load_config(name):
-    from ml_collections import config_flags  # noqa: F401  (the configs are plain modules)
     import importlib.util
+
+    from ml_collections import config_flags  # noqa: F401  (the configs are plain modules)
 
     spec = importlib.util.spec_from_file_location(f"cfg_{name}", ROOT / "configs" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)

@@ -1,19 +1,19 @@
 """Sampler: teacher-forced consistency, greedy parity with HF generate, prefix reuse, seeds, errors."""
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 import transformers
 from flax import nnx
+from hf_reference import random_hf_model, save_hf
 
 import glm52_jax
 from glm52_jax import config
 from glm52_jax.checkpoint.inventory import param_inventory
 from glm52_jax.rollout.cache import PrefixCache
 from glm52_jax.rollout.sampler import FINISH_LENGTH, FINISH_STOP, PAD_TOKEN, Sampler, SamplingParams
-from hf_reference import random_hf_model, save_hf
 
 OPTS = glm52_jax.ModelOptions(param_dtype=jnp.float32, indexer_query_block=16, indexer_key_block=16,
                               attention_query_block=8)
