@@ -13,7 +13,8 @@ identical program; a larger chunk trades fewer calls for larger per-chunk activa
 
 Each program is planned in its own subprocess on 32 virtual CPU devices, so one that crashes the
 compiler (or runs out of memory) is reported as such instead of taking the others down, and each
-has its own peak RSS. See `glm52_jax.plan` for what every number means and the XLA:CPU caveats.
+has its own peak RSS. See `glm52_jax.plan` (and `plan.report.NOTES`) for what every number means and the
+XLA:CPU caveats.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ YARN = ROOT / "configs" / "glm52_2m_yarn.json"
 
 def plan_one(args, program: str) -> dict:
     """Runs in the child: plans one program and returns the report."""
-    from glm52_jax.plan import ensure_virtual_devices
+    from glm52_jax.plan.devices import ensure_virtual_devices
 
     ensure_virtual_devices(DEVICES)
     import jax.numpy as jnp
@@ -45,7 +46,7 @@ def plan_one(args, program: str) -> dict:
     from glm52_jax.config import glm52
     from glm52_jax.model.lora import LoRAConfig
     from glm52_jax.parallel.mesh import MeshSpec
-    from glm52_jax.plan import plan
+    from glm52_jax.plan.planner import plan
 
     cfg = glm52().with_env_rope_scaling()
     report = plan(cfg, MeshSpec.seed_training(DEVICES), prompt_tokens=args.prompt_tokens,
@@ -99,7 +100,7 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(plan_one(args, args.one)))
         return
 
-    from glm52_jax.plan import assess, format_plan
+    from glm52_jax.plan.report import assess, format_plan
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

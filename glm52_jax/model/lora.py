@@ -36,7 +36,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-FAMILIES = ("attention", "routed_experts", "shared_expert", "dense_mlp", "unembed")
+from glm52_jax import choices
+
+FAMILIES = choices.LORA_FAMILIES
 RANK_AXIS = "lora_rank"
 _RANK_LETTER = "z"  # einsum letter of the rank axis in derived specs
 
@@ -102,7 +104,7 @@ class Adapter(nnx.Module):
     """LoRA on one linear map `W: [*lead, *in, *out]`: delta(x) = scale * (x A) B.
 
     A: [*lead, *in, r] (random), B: [*lead, r, *out] (zero). `lead` is empty, or the experts axis
-    for routed experts (then used through `ragged_delta`). `target` names the base kernel in the
+    for routed experts (then applied by `grouped_mlp.ragged_lora_delta`). `target` names the base kernel in the
     parent module, which `merge_lora` adds `scale * A B` to.
     """
 
@@ -127,13 +129,6 @@ class Adapter(nnx.Module):
         mid = "".join(c for c in x_letters if c not in w_in) + _RANK_LETTER
         t = _einsum32(f"{x_letters},{w_in}{_RANK_LETTER}->{mid}", x, self.a[...]).astype(x.dtype)
         return _einsum32(f"{mid},{_RANK_LETTER}{w_out}->{out}", t, self.b[...]) * self.scale
-
-    def ragged_delta(self, xs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-        """Per-expert delta on expert-sorted rows: `xs: [T,in]`, group_sizes [E] -> [T,out] float32."""
-        t = jax.lax.ragged_dot(xs, self.a[...].astype(xs.dtype), group_sizes, preferred_element_type=jnp.float32)
-        y = jax.lax.ragged_dot(t.astype(xs.dtype), self.b[...].astype(xs.dtype), group_sizes,
-                               preferred_element_type=jnp.float32)
-        return y * self.scale
 
     def weight_deltas(self) -> dict[str, jax.Array]:
         """`{target: scale * A B}` shaped like the base kernel (any leading stacked axes kept), float32."""

@@ -7,7 +7,9 @@ highest; the combine weights are the unbiased scores of the chosen experts, opti
 
 Experts run dropless: token-expert pairs are sorted by expert and fed to `lax.ragged_dot`, so
 memory is `O(tokens * top_k * D)` whatever the routing. Routed-expert LoRA (per-expert A and B)
-runs on the same sorted rows with the same group sizes.
+runs on the same sorted rows with the same group sizes. The routed experts run on one device
+(`grouped_mlp.experts_ragged`) or, under a mesh that shards the experts, expert-parallel
+(`expert_parallel.experts_ep`); both apply the same `grouped_mlp.grouped_swiglu`.
 
 Axis letters: T tokens, D model, I expert intermediate, E experts, G groups, K experts per token.
 """
@@ -19,8 +21,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glm52_jax.config import ModelConfig
+from glm52_jax.model.expert_parallel import ep_applicable, experts_ep
+from glm52_jax.model.grouped_mlp import experts_ragged
 from glm52_jax.model.layers import param, project
-from glm52_jax.model.lora import Adapter, LoRAConfig, adapter
+from glm52_jax.model.lora import LoRAConfig, adapter
 from glm52_jax.model.options import ModelOptions
 from glm52_jax.parallel.rules import constrain
 
@@ -64,35 +68,6 @@ def route(cfg: ModelConfig, x: jax.Array, router: jax.Array, bias: jax.Array) ->
     return weights * cfg.routed_scaling_factor, experts.astype(jnp.int32)
 
 
-def _ragged(xs: jax.Array, w: jax.Array, group_sizes: jax.Array, lora: Adapter | None) -> jax.Array:
-    """`xs: [T*K,in]` (expert-sorted) times each row's expert weight `w: [E,in,out]` (+ LoRA), float32."""
-    out = jax.lax.ragged_dot(xs, w, group_sizes, preferred_element_type=jnp.float32)
-    return out if lora is None else out + lora.ragged_delta(xs, group_sizes)
-
-
-def experts_ragged(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                   w_down: jax.Array, lora: tuple[Adapter | None, Adapter | None, Adapter | None] | None = None
-                   ) -> jax.Array:
-    """Dropless routed experts: `x: [T,D], weights/experts: [T,K]`, `w_*: [E,D,I] / [E,I,D]` -> [T,D].
-
-    `lora`: None, or the (gate, up, down) routed-expert adapters (A [E,in,r], B [E,r,out]).
-    """
-    tokens, k = experts.shape
-    num_experts = w_gate.shape[0]
-    lora_gate, lora_up, lora_down = lora or (None, None, None)
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    token_of = order // k
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    xs = x[token_of].astype(w_gate.dtype)
-    gate = _ragged(xs, w_gate, group_sizes, lora_gate)
-    up = _ragged(xs, w_up, group_sizes, lora_up)
-    h = (jax.nn.silu(gate) * up).astype(w_down.dtype)
-    y = _ragged(h, w_down, group_sizes, lora_down)
-    y = y * weights.reshape(-1)[order][:, None]
-    return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(y)
-
-
 class MoE(nnx.Module):
     """Routed experts + shared expert (HF `GlmMoeDsaMoE`)."""
 
@@ -120,8 +95,6 @@ class MoE(nnx.Module):
         batch, seq, d = x.shape
         flat = x.reshape(-1, d)
         weights, experts = route(self.cfg, flat, self.router[...], self.e_score_correction_bias[...])
-        from glm52_jax.parallel.experts import ep_applicable, experts_ep  # it builds on experts_ragged
-
         kernels = (self.w_gate[...], self.w_up[...], self.w_down[...])
         lora = (self.w_gate_lora, self.w_up_lora, self.w_down_lora)
         if ep_applicable(flat.shape[0], self.cfg.n_routed_experts):

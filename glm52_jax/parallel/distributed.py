@@ -70,6 +70,13 @@ def from_env(env: Mapping[str, str] | None = None) -> ProcessGroup | None:
     return group
 
 
+def default_to_cpu_without_a_gpu() -> None:
+    """JAX_PLATFORMS=cpu when unset and the machine has no NVIDIA driver: the CUDA plugin (the gpu-aot
+    extra, for deviceless compiles) would otherwise print a failed-cuInit traceback at start-up."""
+    if "JAX_PLATFORMS" not in os.environ and not os.path.exists("/dev/nvidiactl"):
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
 def initialize(env: Mapping[str, str] | None = None, *, timeout_s: int = 300,
                heartbeat_s: int = 100) -> ProcessGroup | None:
     """Joins the process group from the environment (no-op for a single process).

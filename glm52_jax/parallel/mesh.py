@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import jax
-from jax.sharding import AxisType, Mesh
+if TYPE_CHECKING:  # JAX is imported where a mesh is made: the run spec parses meshes without it
+    import jax
+    from jax.sharding import Mesh
 
-from glm52_jax.parallel.rules import DEFAULT_RULES, Rules
+    from glm52_jax.parallel.rules import Rules
 
 FOLDED_AXIS = "cp_ep"
 
@@ -71,6 +73,8 @@ class MeshSpec:
 
     def rules(self) -> Rules:
         """Logical-axis rules for this layout."""
+        from glm52_jax.parallel.rules import DEFAULT_RULES
+
         if not self.folded:
             return DEFAULT_RULES
         return tuple((name, FOLDED_AXIS if target in ("context", "expert") else target)
@@ -78,6 +82,9 @@ class MeshSpec:
 
     def make(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
         """The mesh over `devices` (default: all); their number must equal the product of the sizes."""
+        import jax
+        from jax.sharding import AxisType
+
         devices = list(jax.devices() if devices is None else devices)
         if len(devices) != self.size:
             raise ValueError(f"mesh {self.describe()} needs {self.size} devices "

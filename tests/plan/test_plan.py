@@ -11,16 +11,21 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from glm52_jax import config
-from glm52_jax import plan as planlib
+from glm52_jax import choices, config
 from glm52_jax.model.lora import LoRAConfig
 from glm52_jax.model.options import ModelOptions
 from glm52_jax.parallel.mesh import MeshSpec
+from glm52_jax.plan.capacity import plan_capacity
+from glm52_jax.plan.devices import ensure_virtual_devices
+from glm52_jax.plan.planner import plan
+from glm52_jax.plan.programs import BUILDERS
+from glm52_jax.plan.report import PROGRAMS, TRANSACTION_PROGRAMS, assess, format_plan
 
 OPTS = ModelOptions(indexer_query_block=16, indexer_key_block=16, attention_query_block=8)
 LORA = LoRAConfig(rank=4, alpha=8.0)
@@ -33,7 +38,7 @@ CFG = config.tiny(num_hidden_layers=3, indexer_types=("full", "shared", "shared"
 
 
 def _plan_here(mesh, programs, chunk_size=32, **kw):
-    return planlib.plan(CFG, mesh, chunk_size=chunk_size, programs=programs, options=OPTS, **SHAPES, **kw)
+    return plan(CFG, mesh, chunk_size=chunk_size, programs=programs, options=OPTS, **SHAPES, **kw)
 
 
 def _plan(mesh, programs, chunk_size=32, **kw):
@@ -120,7 +125,7 @@ def test_folded_collectives_and_flops(folded):
 def test_report_is_json_and_formats(folded):
     again = json.loads(json.dumps(folded))
     assert again["programs"].keys() == {"prefill", "decode", "train"}
-    text = planlib.format_plan(folded)
+    text = format_plan(folded)
     for word in ("prefill", "decode", "train", "all-gather", "CP8/EP8", "fits"):
         assert word in text
 
@@ -132,7 +137,7 @@ def test_one_device_has_no_collectives_and_the_fits_flag_flips(single):
     assert single["cache"]["batch1_bytes_per_device"] == single["cache"]["batch1_bytes"]
     assert p["memory"]["argument_bytes"] == p["input_bytes_per_device"]
     assert single["fits"] is False and p["fits"] is False  # hbm_bytes=1
-    assert planlib.assess(single, 1e12)["fits"] is True
+    assert assess(single, 1e12)["fits"] is True
 
 
 def test_flops_scale_with_chunk_length(single):
@@ -148,7 +153,7 @@ def test_whole_prompt_prefill_program():
     the batch-1 cache (plus h_last) and which gathers the key side instead of reading a cache."""
     whole = _plan(FOLDED, ("prefill",), prefill_mode="whole")
     p = whole["programs"]["prefill"]
-    assert p["calls_per_transaction"] == 1 and p["what"].startswith("Sampler._prefill_whole")
+    assert p["calls_per_transaction"] == 1 and p["what"].startswith("sampler.prefill_whole")
     cache, h_last = whole["cache"]["batch1_bytes_per_device"], CFG.hidden_size * 4  # h_last: [1, D] float32
     # Outputs: the cache and h_last (+ a few bytes: the length scalar, the output tuple's table).
     assert cache + h_last <= p["memory"]["output_bytes"] <= cache + h_last + 128
@@ -165,94 +170,41 @@ def test_mesh_needing_more_devices_is_a_clear_error():
         _plan_here(MeshSpec(), ("prefil",))
 
 
+def test_one_builder_per_program():
+    assert tuple(BUILDERS) == PROGRAMS == choices.PLAN_PROGRAMS
+    assert set(TRANSACTION_PROGRAMS) < set(PROGRAMS)
+
+
 def test_plan_capacity_rounds_for_sequence_sharding():
     # Sampler.capacity_for caps at max positions: 2M + 16 -> 2,097,168, which 32 devices do not divide.
-    cap, planned, issue = planlib.plan_capacity(2_097_152, 16, 2_097_168, 256, 32)
+    cap, planned, issue = plan_capacity(2_097_152, 16, 2_097_168, 256, 32)
     assert (cap, planned) == (2_097_168, 2_097_408) and "not divisible" in issue
-    assert planlib.plan_capacity(96, 8, 65536, 256, 8) == (256, 256, None)
+    assert plan_capacity(96, 8, 65536, 256, 8) == (256, 256, None)
 
 
 def test_ensure_virtual_devices_after_jax_started():
-    assert planlib.ensure_virtual_devices(8) == jax.device_count() == 8
+    assert ensure_virtual_devices(8) == jax.device_count() == 8
     with pytest.raises(RuntimeError, match=r"needs 16 devices but JAX is already initialised with 8"):
-        planlib.ensure_virtual_devices(16)
+        ensure_virtual_devices(16)
 
 
 def test_ensure_virtual_devices_in_a_fresh_process():
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     env["XLA_FLAGS"] = "--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=2"
-    code = ("import os; from glm52_jax.plan import ensure_virtual_devices as e; e(4); import jax; "
+    # Importing the package and its JAX-free parts (devices, the report) must not start JAX.
+    code = ("import os, sys; from glm52_jax.plan.devices import ensure_virtual_devices as e; "
+            "from glm52_jax.plan.report import assess, format_plan; print('jax' in sys.modules); e(4); import jax; "
             "print(jax.device_count(), jax.default_backend(), os.environ['XLA_FLAGS'])")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["4", "cpu", "--xla_cpu_enable_fast_math=false",
+    assert out.stdout.split() == ["False", "4", "cpu", "--xla_cpu_enable_fast_math=false",
                                   "--xla_force_host_platform_device_count=4"]
-
-
-HLO = """HloModule m, entry_computation_layout={(f32[8,4]{1,0})->f32[8,4]{1,0}}
-
-%add (a: f32[], b: f32[]) -> f32[] {
-  %a = f32[] parameter(0)
-  %b = f32[] parameter(1)
-  ROOT %s = f32[] add(%a, %b)
-}
-
-%body (p: (s32[], f32[8,4])) -> (s32[], f32[8,4]) {
-  %p = (s32[], f32[8,4]{1,0}) parameter(0)
-  %i = s32[] get-tuple-element(%p), index=0
-  %x = f32[8,4]{1,0} get-tuple-element(%p), index=1
-  %g = f32[32,4]{1,0} all-gather(%x), dimensions={0}, metadata={op_name="gather_me"}
-  %w = f32[4,4]{1,0} slice(%g), slice={[0:4], [0:4]}
-  %d = f32[8,4]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-  ROOT %t = (s32[], f32[8,4]{1,0}) tuple(%i, %d)
-}
-
-%cond (c: (s32[], f32[8,4])) -> pred[] {
-  %c = (s32[], f32[8,4]{1,0}) parameter(0)
-  ROOT %k = pred[] constant(true)
-}
-
-%body2 (q: (s32[], f32[8,4])) -> (s32[], f32[8,4]) {
-  %q = (s32[], f32[8,4]{1,0}) parameter(0)
-  %y = f32[8,4]{1,0} get-tuple-element(%q), index=1
-  %cp = bf16[8,4]{1,0} collective-permute(%y), source_target_pairs={{0,1}}
-  %z = s32[] get-tuple-element(%q), index=0
-  ROOT %u = (s32[], f32[8,4]{1,0}) tuple(%z, %y)
-}
-
-ENTRY %main (x0: f32[8,4]) -> f32[8,4] {
-  %x0 = f32[8,4]{1,0} parameter(0)
-  %r = f32[8,4]{1,0} all-reduce(%x0), to_apply=%add
-  %zero = s32[] constant(0)
-  %init = (s32[], f32[8,4]{1,0}) tuple(%zero, %r)
-  %loop = (s32[], f32[8,4]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
-  %loop2 = (s32[], f32[8,4]{1,0}) while(%loop), condition=%cond, body=%body2
-  %out = f32[8,4]{1,0} get-tuple-element(%loop2), index=1
-  ROOT %m = f32[8,4]{1,0} multiply(%out, %out)
-}
-"""
-
-
-def test_analyze_hlo_counting_rules():
-    r = planlib.analyze_hlo(HLO)
-    coll = r["collectives"]
-    assert coll["all-reduce"] == {"ops": 1, "bytes": 128, "bytes_executed": 128, "ops_in_unknown_loops": 0}
-    # In a 5-trip loop: listed once (per body), executed 5 times.
-    assert coll["all-gather"] == {"ops": 1, "bytes": 512, "bytes_executed": 2560, "ops_in_unknown_loops": 0}
-    # In a loop without a known trip count: counted once and flagged.
-    assert coll["collective-permute"] == {"ops": 1, "bytes": 64, "bytes_executed": 64, "ops_in_unknown_loops": 1}
-    assert r["largest_collectives"][0]["op_name"] == "gather_me" and r["largest_collectives"][0]["times"] == 5
-    dot = 2 * 8 * 4 * 4
-    assert r["flops"]["dot_flops_executed"] == 5 * dot
-    assert r["flops"]["flops_executed"] == 5 * dot + 32  # + the final multiply; the reducer is not a call
-    assert r["flops"]["flops_static"] == dot + 32
-    assert (r["while_loops"], r["unknown_trip_count_loops"]) == (2, 1)
 
 
 def test_launcher_plan_mode_makes_its_own_virtual_devices(tmp_path):
     """`--mode=plan` in a fresh process without device flags: the mesh's 4 virtual CPU devices are
     created before JAX starts, the embedded policy's prefill compiles, and plan.json is written."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     out = subprocess.run(
         [sys.executable, "-m", "glm52_jax.launch", f"--config={root}/configs/tiny.py", "--mode=plan",

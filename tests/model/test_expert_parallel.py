@@ -1,4 +1,4 @@
-"""Expert-parallel routed experts (`parallel.experts.experts_ep`) against the one-device `experts_ragged`.
+"""Expert-parallel routed experts (`model.expert_parallel.experts_ep`) against the one-device `experts_ragged`.
 
 Runs on 8 virtual CPU devices: an 8-way folded `cp_ep` axis and an orthogonal context 4 x expert 2
 mesh; random and fully skewed routing (dropless); outputs and gradients (x, expert kernels, routed
@@ -15,10 +15,10 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from glm52_jax.model.expert_parallel import default_axes, experts_ep
+from glm52_jax.model.grouped_mlp import experts_ragged
 from glm52_jax.model.lora import LoRAConfig, adapter
-from glm52_jax.model.moe import experts_ragged
 from glm52_jax.parallel import rules
-from glm52_jax.parallel.experts import default_axes, experts_ep
 from glm52_jax.parallel.mesh import MeshSpec
 
 E, D, I, T, R = 16, 32, 16, 64, 4

@@ -1,9 +1,10 @@
 """Expert-parallel routed experts: `jax.shard_map` + all-to-all dispatch/combine, dropless.
 
-Same math as `model.moe.experts_ragged` (one device): every token-expert pair goes to the device
-that owns its expert, runs there through `lax.ragged_dot` (+ the routed-expert LoRA deltas on the
-same rows), comes back, and is combined with the routing weight. Nothing is dropped, whatever the
-routing; results equal `experts_ragged` up to float reassociation of the final scatter-add.
+Same math as `grouped_mlp.experts_ragged` (one device): every token-expert pair goes to the device
+that owns its expert, runs there through the same `grouped_mlp.grouped_swiglu` (`lax.ragged_dot`
++ the routed-expert LoRA deltas on the same rows), comes back, and is combined with the routing
+weight. Nothing is dropped, whatever the routing; results equal `experts_ragged` up to float
+reassociation of the final scatter-add.
 
 Layout (N = size of the expert mesh axis, the axis the `experts` logical axis maps to):
 - expert kernels `[E,D,I] / [E,I,D]` and LoRA `A [E,in,r]`, `B [E,r,out]` are sharded on E over
@@ -47,11 +48,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from glm52_jax.model.lora import Adapter
-from glm52_jax.model.moe import experts_ragged
+from glm52_jax.model.grouped_mlp import ExpertAdapters, experts_ragged, grouped_swiglu, lora_arrays
 from glm52_jax.parallel.rules import logical_to_spec
-
-LoRAArrays = tuple[jax.Array, jax.Array] | None  # (A [E,in,r], B [E,r,out])
 
 
 def _mesh_axes(spec_entry) -> tuple[str, ...]:
@@ -79,33 +77,17 @@ def default_axes(mesh) -> tuple[str | None, tuple[str, ...]]:
     return expert_axis, tokens
 
 
-def _lora_delta(xs: jax.Array, ab: LoRAArrays, scale: float, group_sizes: jax.Array) -> jax.Array:
-    """`Adapter.ragged_delta` on local arrays: `xs: [R,in]`, A [El,in,r], B [El,r,out] -> [R,out] f32."""
-    a, b = ab
-    t = jax.lax.ragged_dot(xs, a.astype(xs.dtype), group_sizes, preferred_element_type=jnp.float32)
-    y = jax.lax.ragged_dot(t.astype(xs.dtype), b.astype(xs.dtype), group_sizes, preferred_element_type=jnp.float32)
-    return y * scale
-
-
-def _local_experts(rows: jax.Array, local_ids: jax.Array, n_local: int, w_gate, w_up, w_down, loras, scales):
+def _local_experts(rows: jax.Array, local_ids: jax.Array, n_local: int, w_gate, w_up, w_down, lora):
     """SwiGLU of this device's experts on received rows, in any order.
 
-    `rows: [R,D]`, `local_ids: [R]` in [0, El] (El = padding) -> `[R,D]` float32, same row order;
-    padding rows give zeros. Sorting by local expert makes each expert's rows contiguous for
-    `ragged_dot`; padding (id El) sorts last and lies outside every group.
+    `rows: [R,D]`, `local_ids: [R]` in [0, El] (El = padding), `lora`: `grouped_mlp.ExpertLoRA` on the
+    local expert shards or None -> `[R,D]` float32, same row order; padding rows give zeros. Sorting
+    by local expert makes each expert's rows contiguous for `grouped_swiglu`; padding (id El) sorts
+    last and lies outside every group.
     """
     order = jnp.argsort(local_ids, stable=True)
     group_sizes = jnp.bincount(local_ids, length=n_local).astype(jnp.int32)  # id El falls outside `length`
-    xs = rows[order].astype(w_gate.dtype)
-
-    def ragged(v, w, ab, scale):
-        out = jax.lax.ragged_dot(v, w, group_sizes, preferred_element_type=jnp.float32)
-        return out if ab is None else out + _lora_delta(v, ab, scale, group_sizes)
-
-    gate = ragged(xs, w_gate, loras[0], scales[0])
-    up = ragged(xs, w_up, loras[1], scales[1])
-    h = (jax.nn.silu(gate) * up).astype(w_down.dtype)
-    y = ragged(h, w_down, loras[2], scales[2])
+    y = grouped_swiglu(rows[order], group_sizes, w_gate, w_up, w_down, lora)
     # Undo the sort: row order[j] of the input is row j of y.
     return jnp.zeros_like(y).at[order].set(y)
 
@@ -129,7 +111,7 @@ def _dispatch_plan(experts: jax.Array, n_local: int, n_dev: int):
     return order, dest, slot, counts, starts, (sorted_e % n_local).astype(jnp.int32)
 
 
-def _dense_body(x, weights, experts, w_gate, w_up, w_down, loras, *, axis, n_dev, scales):
+def _dense_body(x, weights, experts, w_gate, w_up, w_down, lora, *, axis, n_dev):
     """Per-device body of the fixed-capacity all-to-all path (see the module docstring)."""
     tokens, k = experts.shape
     n_local = w_gate.shape[0]
@@ -143,15 +125,14 @@ def _dense_body(x, weights, experts, w_gate, w_up, w_down, loras, *, axis, n_dev
     # source on axis 0, so recv[s] is what device s sent here.
     recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)
     recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0, tiled=True)
-    y = _local_experts(recv.reshape(n_dev * cap, -1), recv_ids.reshape(-1), n_local, w_gate, w_up, w_down,
-                       loras, scales)
+    y = _local_experts(recv.reshape(n_dev * cap, -1), recv_ids.reshape(-1), n_local, w_gate, w_up, w_down, lora)
     # Send every result back to the slot it came from; back[d, c] answers send[d, c].
     back = jax.lax.all_to_all(y.reshape(n_dev, cap, -1), axis, 0, 0, tiled=True)
     y_pairs = back[dest, slot] * weights.reshape(-1)[order][:, None]
     return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(y_pairs)
 
 
-def _ragged_body(x, weights, experts, w_gate, w_up, w_down, loras, *, axis, n_dev, scales):
+def _ragged_body(x, weights, experts, w_gate, w_up, w_down, lora, *, axis, n_dev):
     """Per-device body of the `ragged_all_to_all` path (GPU; XLA:CPU cannot compile it)."""
     tokens, k = experts.shape
     n_local = w_gate.shape[0]
@@ -171,7 +152,7 @@ def _ragged_body(x, weights, experts, w_gate, w_up, w_down, loras, *, axis, n_de
                                      out_offsets, recv_sizes, axis_name=axis)
     recv_ids = jax.lax.ragged_all_to_all(local, jnp.full((recv_cap,), n_local, jnp.int32), starts, counts,
                                          out_offsets, recv_sizes, axis_name=axis)
-    y = _local_experts(recv, recv_ids, n_local, w_gate, w_up, w_down, loras, scales)
+    y = _local_experts(recv, recv_ids, n_local, w_gate, w_up, w_down, lora)
     # Reverse: my received chunk from s goes back to s, at the offset it was sent from there.
     back_offsets = (jnp.cumsum(counts_all, axis=1) - counts_all)[:, me]  # [N], indexed by source
     back = jax.lax.ragged_all_to_all(y, jnp.zeros((rows, y.shape[-1]), y.dtype), recv_offsets, recv_sizes,
@@ -181,7 +162,7 @@ def _ragged_body(x, weights, experts, w_gate, w_up, w_down, loras, *, axis, n_de
 
 
 def experts_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-               w_down: jax.Array, lora: tuple[Adapter | None, Adapter | None, Adapter | None] | None = None, *,
+               w_down: jax.Array, lora: ExpertAdapters | None = None, *,
                mesh=None, expert_axis: str | None = None, token_axes: Sequence[str] | None = None,
                impl: str = "dense", token_block: int | None = None) -> jax.Array:
     """Expert-parallel `experts_ragged`: `x: [T,D], weights/experts: [T,K]`, `w_*: [E,D,I] / [E,I,D]` -> [T,D] f32.
@@ -217,17 +198,19 @@ def experts_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax
     if impl not in ("dense", "ragged"):
         raise ValueError(f"impl: expected 'dense' or 'ragged', got {impl!r}")
 
-    adapters = lora or (None, None, None)
-    loras = tuple(None if ad is None else (ad.a[...], ad.b[...]) for ad in adapters)
-    scales = tuple(None if ad is None else ad.scale for ad in adapters)
+    # Only the adapter arrays cross the shard_map boundary (sharded on E); the scales stay static floats.
+    lora_global = lora_arrays(lora) or (None, None, None)
+    lora_ab = tuple(None if t is None else t[:2] for t in lora_global)
+    lora_scales = tuple(None if t is None else t[2] for t in lora_global)
     tok, exp = P(token_axes, None), P(expert_axis, None, None)
-    lora_specs = tuple(None if ab is None else (exp, exp) for ab in loras)
+    lora_specs = tuple(None if ab is None else (exp, exp) for ab in lora_ab)
     body = _dense_body if impl == "dense" else _ragged_body
 
-    def per_device(x, weights, experts, w_gate, w_up, w_down, loras):
+    def per_device(x, weights, experts, w_gate, w_up, w_down, lora_ab):
+        lora_local = tuple(None if ab is None else (*ab, s) for ab, s in zip(lora_ab, lora_scales, strict=True))
+
         def run(x, weights, experts):
-            return body(x, weights, experts, w_gate, w_up, w_down, loras, axis=expert_axis, n_dev=n_dev,
-                        scales=scales)
+            return body(x, weights, experts, w_gate, w_up, w_down, lora_local, axis=expert_axis, n_dev=n_dev)
 
         local = x.shape[0]
         if token_block is None or local <= token_block:
@@ -245,7 +228,7 @@ def experts_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax
         return y.reshape(blocks * token_block, -1)[:local]
 
     fn = jax.shard_map(per_device, mesh=mesh, in_specs=(tok, tok, tok, exp, exp, exp, lora_specs), out_specs=tok)
-    return fn(x, weights, experts, w_gate, w_up, w_down, loras)
+    return fn(x, weights, experts, w_gate, w_up, w_down, lora_ab)
 
 
 def ep_applicable(num_tokens: int, num_experts: int, mesh=None) -> bool:

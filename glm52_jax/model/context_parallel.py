@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from glm52_jax.model.indexer import streaming_topk
+from glm52_jax.model.indexer import cached_topk, merge_topk, streaming_topk
 from glm52_jax.model.sparse_attention import array_rows, sparse_mla_rows
 from glm52_jax.parallel.rules import logical_to_spec
 
@@ -130,13 +130,14 @@ def pad_sequence(ids: jax.Array, positions: jax.Array, lay: Layout) -> tuple[jax
 # -- the attention core --------------------------------------------------------------------------
 
 def cp_sparse_attention(lay: Layout, q_lat, q_rope, c_kv, k_rope, positions, index, prev_topk, *,
-                        index_topk: int, index_scale: float, softmax_scale: float, indexer_query_block: int,
-                        indexer_key_block: int, attention_query_block: int):
+                        index_topk: int, index_scale: float, softmax_scale: float, indexer_blocks: dict,
+                        attention_query_block: int, kernels: str = "reference"):
     """Sparse MLA of sharded queries over all-gathered keys, in the layout's order.
 
     q_lat: [B,L,H,C], q_rope: [B,L,H,R], c_kv: [B,L,C], k_rope: [B,L,R], positions: [L] (all in
     layout order, sharded on `lay.axes`); index: (iq [B,L,Hi,I], iw [B,L,Hi], ik [B,L,I]) for a
-    layer with its own indexer, else None and `prev_topk: [B,L,K]`. Returns (out_lat [B,L,H,C],
+    layer with its own indexer, else None and `prev_topk: [B,L,K]`. `indexer_blocks`: the indexer's
+    block sizes, kernels and score dtype (`streaming_topk` keywords). Returns (out_lat [B,L,H,C],
     top-k [B,L,K] of key indices in sequence order).
     """
     axes = lay.axes
@@ -151,11 +152,12 @@ def cp_sparse_attention(lay: Layout, q_lat, q_rope, c_kv, k_rope, positions, ind
         if index is not None:
             iq, iw, ik = index
             topk = streaming_topk(iq, iw, gather_keys(ik, 1), positions, key_pos, index_topk, scale=index_scale,
-                                  query_block=indexer_query_block, key_block=indexer_key_block)
+                                  **indexer_blocks)
         else:
             topk = prev_topk
         rows = array_rows(gather_keys(c_kv, 1), gather_keys(k_rope, 1))
-        out = sparse_mla_rows(q_lat, q_rope, rows, topk, scale=softmax_scale, query_block=attention_query_block)
+        out = sparse_mla_rows(q_lat, q_rope, rows, topk, scale=softmax_scale, query_block=attention_query_block,
+                              kernels=kernels)
         return out, topk
 
     index_specs = None if index is None else (seq_spec, seq_spec, seq_spec)
@@ -192,8 +194,7 @@ def cached_layout(num_queries: int, capacity: int, layout: str, mesh=None) -> tu
 
 
 def cp_cached_attention(axes: tuple[str, ...], q_lat, q_rope, c_new, r_new, positions, cache, index, prev_topk, *,
-                        index_topk: int, index_scale: float, softmax_scale: float, indexer_query_block: int,
-                        indexer_key_block: int):
+                        index_topk: int, index_scale: float, softmax_scale: float, indexer_blocks: dict):
     """A chunk's sparse MLA over a cache whose slot axis is sharded on `axes`.
 
     Each device scores only its own cache slots with the indexer; the per-device candidates are
@@ -206,8 +207,6 @@ def cp_cached_attention(axes: tuple[str, ...], q_lat, q_rope, c_new, r_new, posi
     with its own indexer, else None and `prev_topk: [B,S,K]` (global slots). Returns (out_lat
     [B,S,H,C], top-k [B,S,K] global slots), replicated over `axes`.
     """
-    from glm52_jax.model.indexer import cached_topk, merge_topk
-
     replicated = P()
     slots = P(None, None, None, axes, None)
     capacity = cache.c_kv.shape[-2]
@@ -221,13 +220,12 @@ def cp_cached_attention(axes: tuple[str, ...], q_lat, q_rope, c_new, r_new, posi
             iq, iw, ik_new = index
             local_len = jnp.clip(length - base, 0, local_cap)
             vals, idx = cached_topk(iq, iw, cache_i, index_slot, positions, local_len, index_topk, scale=index_scale,
-                                    query_block=indexer_query_block, key_block=indexer_key_block)
+                                    **indexer_blocks)
             idx = jnp.where(idx >= 0, idx + base, idx)
             # [N,B,S,k] -> [B,S,N*k]: device order is slot order, so ties keep the lowest slot.
             cand = tuple(jnp.moveaxis(jax.lax.all_gather(a, axes), 0, 2).reshape(*a.shape[:2], -1) for a in (vals, idx))
             own_vals, own_idx = streaming_topk(iq, iw, ik_new, positions, positions, index_topk, scale=index_scale,
-                                               return_scores=True, query_block=indexer_query_block,
-                                               key_block=indexer_key_block)
+                                               return_scores=True, **indexer_blocks)
             topk = merge_topk(cand, (own_vals, jnp.where(own_idx >= 0, own_idx + length, own_idx)), topk_k)
         else:
             topk = prev_topk

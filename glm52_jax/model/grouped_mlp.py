@@ -1,0 +1,90 @@
+"""Routed experts on one device: the grouped SwiGLU (+ LoRA) and the dropless `experts_ragged`.
+
+`grouped_swiglu` is the one expert computation behind both MoE paths: `experts_ragged` (this
+device holds every expert) and `expert_parallel.experts_ep` (each device runs its local experts on
+the rows it received). Rows arrive sorted by expert, so each expert's rows are contiguous and
+`lax.ragged_dot` multiplies group g of `group_sizes` by kernel g. Rows past `sum(group_sizes)`
+(EP padding) lie outside every group and come out as zeros.
+
+LoRA reaches `grouped_swiglu` as plain arrays `(A [E,in,r], B [E,r,out], scale)`, not `Adapter`
+modules, because the EP path calls it inside `jax.shard_map` on the local expert shards.
+
+The functions that call `lax.ragged_dot` keep "ragged" in their names: the plan mode
+(`plan.analyze_hlo`) counts a dot as ragged_dot FLOPs by the Python function XLA recorded for it.
+
+Axis letters: T tokens, K experts per token, M rows (token-expert pairs), D model, I expert
+intermediate, E experts, r LoRA rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from glm52_jax.model.lora import Adapter
+
+LoRAArrays = tuple[jax.Array, jax.Array, float]  # (A [E,in,r], B [E,r,out], scale = alpha / r)
+ExpertLoRA = tuple[LoRAArrays | None, LoRAArrays | None, LoRAArrays | None]  # (gate, up, down)
+ExpertAdapters = tuple[Adapter | None, Adapter | None, Adapter | None]  # (gate, up, down)
+
+
+def lora_arrays(adapters: Sequence[Adapter | None] | None) -> ExpertLoRA | None:
+    """The routed-expert `Adapter`s (gate, up, down) as `LoRAArrays` (None stays None)."""
+    if adapters is None:
+        return None
+    return tuple(None if ad is None else (ad.a[...], ad.b[...], ad.scale) for ad in adapters)
+
+
+def ragged_lora_delta(xs: jax.Array, lora: LoRAArrays, group_sizes: jax.Array) -> jax.Array:
+    """Per-expert LoRA delta: `xs: [M,in]`, group_sizes [E] -> `scale * (xs A_g) B_g`: [M,out] float32.
+
+    A and B are cast to the rows' dtype; both products accumulate in float32 and the rank-r
+    intermediate is rounded to the rows' dtype in between.
+    """
+    a, b, scale = lora
+    t = jax.lax.ragged_dot(xs, a.astype(xs.dtype), group_sizes, preferred_element_type=jnp.float32)
+    y = jax.lax.ragged_dot(t.astype(xs.dtype), b.astype(xs.dtype), group_sizes, preferred_element_type=jnp.float32)
+    return y * scale
+
+
+def _ragged(xs: jax.Array, w: jax.Array, group_sizes: jax.Array, lora: LoRAArrays | None) -> jax.Array:
+    """`xs: [M,in]` times each row's expert kernel `w: [E,in,out]` (+ LoRA) -> [M,out] float32."""
+    out = jax.lax.ragged_dot(xs, w, group_sizes, preferred_element_type=jnp.float32)
+    return out if lora is None else out + ragged_lora_delta(xs, lora, group_sizes)
+
+
+def grouped_swiglu(xs_sorted: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                   w_down: jax.Array, lora: ExpertLoRA | None = None) -> jax.Array:
+    """`down(silu(gate(x)) * up(x))` of each row with its expert's kernels -> [M,D] float32.
+
+    xs_sorted: [M,D], rows grouped by expert in expert order (cast to the kernels' dtype);
+    group_sizes: [E] int32, rows per expert (sum <= M); w_gate, w_up: [E,D,I]; w_down: [E,I,D];
+    lora: None, or (gate, up, down), each None or `LoRAArrays`. The SwiGLU product is rounded to
+    w_down's dtype before the down projection.
+    """
+    lora_gate, lora_up, lora_down = lora or (None, None, None)
+    xs = xs_sorted.astype(w_gate.dtype)
+    gate = _ragged(xs, w_gate, group_sizes, lora_gate)
+    up = _ragged(xs, w_up, group_sizes, lora_up)
+    h = (jax.nn.silu(gate) * up).astype(w_down.dtype)
+    return _ragged(h, w_down, group_sizes, lora_down)
+
+
+def experts_ragged(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                   w_down: jax.Array, lora: ExpertAdapters | None = None) -> jax.Array:
+    """Dropless routed experts: `x: [T,D], weights/experts: [T,K]`, `w_*: [E,D,I] / [E,I,D]` -> [T,D] float32.
+
+    Token-expert pairs are sorted by expert and run through `grouped_swiglu`, so memory is
+    `O(T * K * D)` whatever the routing. `lora`: None, or the (gate, up, down) routed-expert
+    adapters (A [E,in,r], B [E,r,out]).
+    """
+    tokens, k = experts.shape
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token_of = order // k
+    group_sizes = jnp.bincount(flat, length=w_gate.shape[0]).astype(jnp.int32)
+    y = grouped_swiglu(x[token_of], group_sizes, w_gate, w_up, w_down, lora_arrays(lora))
+    y = y * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(y)

@@ -1,0 +1,49 @@
+"""AOT plan mode: per-device memory, FLOPs and collectives of the run's programs, without weights.
+
+`plan(...)` builds the model abstractly (`nnx.eval_shape`: no parameter is ever materialised),
+gives every parameter and input a `jax.ShapeDtypeStruct` carrying the `NamedSharding` its
+logical axes get under the mesh's rules (as `load_pretrained(..., shardings=mesh)` places real
+weights), and lowers + compiles the programs a GRPO transaction runs, at the configured shapes:
+
+  prefill  with prefill_mode="chunked" (the sampler's default), `rollout.sampler.prefill_chunk`:
+           `forward_cached` of one [1, S=chunk_size] chunk against the batch-1 cache of the full
+           sampler capacity C (cache in and out, not donated, as the sampler jits it): the sampler
+           runs ceil(P / S) calls of this one executable (later chunks only run more trips of the
+           indexer's data-dependent key loop, with the same buffers). With prefill_mode="whole",
+           `rollout.sampler.prefill_whole`: `model.prefill` of ids [1, P], the explicit
+           context-parallel forward that also emits the cache (one call).
+  forward  (optional) `model.hidden_states` on ids [1, P]: the uncached whole-prompt forward.
+           The sampler never runs it; `conventional` training (per sample) and `token_logprobs`
+           do. For comparison, when asked for in `programs`.
+  decode   `rollout.sampler.decode_steps` exactly: a scan of R = max_new_tokens steps for
+           G = num_samples rows against the G-row cache, each step logits + sampling + one
+           `forward_cached` token. One step is the loop body: the per-body columns; executed = x R.
+  train    one optimizer step: `rl.gradients.compute_gradients` in the configured mode (G
+           per-sample backwards, accumulated; response_only takes the sampler's prefix cache as an
+           input) then the `rl.update` transform (global-norm clip + AdamW) and `apply_updates`,
+           fused in one program whose inputs include the AdamW moments (sharded like the
+           adapters), so its arguments are everything resident during the step.
+
+Every program keeps all its inputs (`keep_unused=True`): state a program does not read (the
+lm_head in prefill) is still resident on the device. Every number is per device, read from the
+compiled SPMD-partitioned executable: memory from `compiled.memory_analysis()`, FLOPs both from
+`compiled.cost_analysis()` (loop bodies once) and from the HLO text counted op by op times known
+loop trip counts, collectives from the HLO text (`hlo.py`; `NOTES`, copied into each report, says
+exactly what each number is).
+
+Compile target: the process's devices; plan mode normally runs on a virtual CPU mesh
+(`ensure_virtual_devices`, which must run before JAX starts), with LLVM optimisation off
+(`FAST_CPU_COMPILE`; the plan never runs code). XLA:CPU differs from a GPU build in ways the
+numbers show: `lax.ragged_dot` (the MoE) is lowered densely over the local experts, and bf16
+collectives are converted to f32. Treat bytes as an estimate of the GPU plan, exact for arguments.
+
+Modules: hlo (HLO text parsing and counting, pure Python), devices (virtual devices, no JAX at
+import), capacity, abstract (abstract state / caches / inputs), programs (the program builders),
+measure (compile and read the executable), static (the analytic report part), report (verdict,
+NOTES, the readable table; pure Python), planner (`plan`). Import from the modules (`glm52_jax.plan.planner.plan`,
+`glm52_jax.plan.devices.ensure_virtual_devices`): this package file imports nothing, so the devices
+module loads without JAX, before it starts.
+
+Axis letters: P prompt tokens, S chunk tokens, G samples, R response tokens (= max_new_tokens),
+C cache capacity (slots), D model dim, E routed experts.
+"""

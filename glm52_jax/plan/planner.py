@@ -1,0 +1,99 @@
+"""`plan`: lower and compile the run's programs on a mesh from abstract weights and inputs."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from glm52_jax import choices
+from glm52_jax.model.options import ModelOptions
+from glm52_jax.parallel.rules import axis_rules
+from glm52_jax.plan.abstract import abstract_model, tree_bytes, ways
+from glm52_jax.plan.capacity import plan_capacity
+from glm52_jax.plan.devices import check_device_count
+from glm52_jax.plan.measure import measure
+from glm52_jax.plan.programs import BUILDERS, PlanSetup
+from glm52_jax.plan.report import NOTES, PROGRAMS, assess
+from glm52_jax.plan.static import static_report
+from glm52_jax.rl.update import AdamWConfig
+
+
+def _check_arguments(programs: tuple[str, ...], gradient_mode: str, prefill_mode: str, lora, **sizes: int) -> None:
+    unknown = [p for p in programs if p not in PROGRAMS]
+    if unknown or not programs:
+        raise ValueError(f"plan: unknown program(s) {unknown}; choose from {PROGRAMS}")
+    if gradient_mode not in choices.GRADIENT_MODES:
+        raise ValueError(f"plan: gradient_mode must be one of {choices.GRADIENT_MODES}, got {gradient_mode!r}")
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"plan: {name} must be a positive integer, got {value!r}")
+    if prefill_mode not in choices.PREFILL_MODES:
+        raise ValueError(f"plan: prefill_mode must be 'chunked' or 'whole', got {prefill_mode!r}")
+    if "train" in programs and lora is None:
+        raise ValueError("plan: the train program trains LoRA adapters; pass lora=LoRAConfig(...)")
+
+
+def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_samples: int,
+         gradient_mode: str, lora, dtype, chunk_size: int, hbm_bytes: float = 96e9,
+         programs: Iterable[str] = ("prefill", "decode", "train"), options=None, logprob_chunk: int = 1024,
+         capacity_multiple: int = 256, donate_cache: bool = False, adamw=None, fast_compile: bool = True,
+         prefill_mode: str = "chunked", log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Lowers and compiles the run's programs on `mesh_spec` with abstract weights and inputs.
+
+    model_cfg: `ModelConfig` (apply rope scaling beforehand, e.g. `with_env_rope_scaling()`).
+    mesh_spec: `parallel.mesh.MeshSpec`; the process needs >= `mesh_spec.size` devices (the first
+      ones are used; see `ensure_virtual_devices`).
+    prompt_tokens P, max_new_tokens R, num_samples G, chunk_size (the sampler's prefill chunk),
+      prefill_mode (the sampler's: "chunked" or "whole", which program "prefill" compiles),
+      gradient_mode (`rl.gradients.MODES`), lora (`LoRAConfig`; required for "train"), dtype
+      (parameter/activation dtype).
+    options: `ModelOptions` overrides (block sizes, remat); its param_dtype / lora are replaced by
+      `dtype` / `lora`. donate_cache: donate the cache to prefill/decode (the sampler does not).
+    fast_compile: on CPU, skip LLVM optimisation (`FAST_CPU_COMPILE`; the plan never runs code).
+    adamw: `rl.update.AdamWConfig` of the train program (default: its defaults). log: progress lines.
+    Returns a JSON-serialisable dict (see `format_plan`); per-device numbers throughout.
+    """
+    programs = tuple(programs)
+    _check_arguments(programs, gradient_mode, prefill_mode, lora, prompt_tokens=prompt_tokens,
+                     max_new_tokens=max_new_tokens, num_samples=num_samples, chunk_size=chunk_size)
+    say = log or (lambda msg: None)
+    check_device_count(mesh_spec)
+    mesh = mesh_spec.make(jax.devices()[: mesh_spec.size])
+    dtype = jnp.dtype(dtype)
+    opts = dataclasses.replace(options or ModelOptions(), param_dtype=dtype, lora=lora)
+    adamw = adamw or AdamWConfig()
+
+    with axis_rules(mesh_spec.rules()):
+        if prompt_tokens + max_new_tokens > model_cfg.max_position_embeddings:
+            raise ValueError(f"plan: prompt_tokens + max_new_tokens = {prompt_tokens + max_new_tokens} exceeds "
+                             f"max_position_embeddings {model_cfg.max_position_embeddings} (apply rope scaling first)")
+        capacity, planned_capacity, issue = plan_capacity(prompt_tokens, max_new_tokens,
+                                                          model_cfg.max_position_embeddings, capacity_multiple,
+                                                          ways(mesh, "seq"))
+        graphdef, state = abstract_model(model_cfg, opts, mesh)
+        setup = PlanSetup(model_cfg, opts, mesh, graphdef, state, prompt_tokens, max_new_tokens, num_samples,
+                          chunk_size, prefill_mode, planned_capacity, gradient_mode, logprob_chunk, donate_cache)
+        report = static_report(setup, mesh_spec, capacity, lora, dtype)
+        report["issues"] = [issue] if issue else []
+        report["notes"] = list(NOTES)
+        report["programs"] = {}
+        for name in programs:
+            program = BUILDERS[name](setup, adamw)
+            say(f"plan: lowering and compiling {name} ...")
+            entry = {"what": program.what, "calls_per_transaction": program.calls,
+                     "input_bytes_per_device": tree_bytes(program.args, per_device=True)}
+            entry.update(measure(program, mesh, fast_compile))
+            fl = entry["flops"]
+            # A grouped GEMM does 1/E of the dense lowering's work (see NOTES); balanced routing assumed.
+            fl["flops_executed_grouped_gemm_estimate"] = (
+                fl["flops_executed"] - fl["ragged_dot_flops_executed"] * (1 - 1 / model_cfg.n_routed_experts))
+            mem = entry["memory"]
+            say(f"plan: {name}: total {mem['total_bytes'] / 1e9:.2f} GB/device, "
+                f"compile {entry['seconds']['compile']} s")
+            report["programs"][name] = entry
+    assess(report, hbm_bytes)
+    return report

@@ -1,0 +1,62 @@
+"""The analytic part of a plan report: mesh, shapes, parameter / LoRA / cache bytes (global and per
+device), and the DSA indexer FLOPs that the HLO count cannot see."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+from flax import nnx
+
+from glm52_jax.model.lora import LoRA
+from glm52_jax.plan.abstract import cache_bytes, tree_bytes, ways
+from glm52_jax.plan.programs import PlanSetup
+
+
+def indexer_analytic(s: PlanSetup) -> dict[str, Any]:
+    """Model FLOPs of the DSA indexer's q.k scores, which sit inside data-dependent key loops that
+    the HLO count sees once: 2 * index_n_heads * index_head_dim per (query, visible key) pair per
+    'full' layer (weighting / ReLU / top-k not counted). Global numbers; an ideal context-parallel
+    split divides them by the sequence shards."""
+    cfg = s.cfg
+    per_pair = 2 * cfg.index_n_heads * cfg.index_head_dim * sum(t == "full" for t in cfg.indexer_types)
+    p, c, g, r = s.prompt_tokens, s.chunk_size, s.num_samples, s.max_new_tokens
+    return {
+        "flops_per_query_key_pair": per_pair,
+        "prefill_total_flops": per_pair * p * (p + 1) / 2,
+        "prefill_last_chunk_flops": per_pair * min(c, p) * p,
+        "decode_step_flops": per_pair * g * (p + r),
+        "train_flops_per_sample": per_pair * r * (p + r),
+        "seq_shards": ways(s.mesh, "seq"),
+    }
+
+
+def static_report(s: PlanSetup, mesh_spec, sampler_cap: int, lora, dtype) -> dict[str, Any]:
+    """{"mesh", "shapes", "model", "indexer_analytic", "cache"} of a plan report."""
+    _, lora_state, base = nnx.split(nnx.merge(s.graphdef, s.state), LoRA, ...)
+    cache1, cache_g = s.cache(1), s.cache(s.num_samples)
+    return {
+        "mesh": {"describe": mesh_spec.describe(), "axes": dict(zip(mesh_spec.axis_names, mesh_spec.shape)),
+                 "devices": mesh_spec.size, "platform": jax.default_backend(),
+                 "rules": [list(r) for r in mesh_spec.rules()],
+                 "seq_shards": ways(s.mesh, "seq"), "expert_shards": ways(s.mesh, "experts")},
+        "shapes": {"prompt_tokens": s.prompt_tokens, "max_new_tokens": s.max_new_tokens,
+                   "num_samples": s.num_samples, "chunk_size": s.chunk_size, "prefill_mode": s.prefill_mode,
+                   "sampler_capacity": sampler_cap,
+                   "planned_capacity": s.capacity, "gradient_mode": s.gradient_mode, "dtype": str(dtype),
+                   "logprob_chunk": s.logprob_chunk, "donate_cache": s.donate_cache,
+                   "lora": None if lora is None else {"rank": lora.rank, "alpha": lora.alpha,
+                                                      "families": sorted(lora.families),
+                                                      "param_dtype": str(lora.param_dtype)},
+                   "options": {k: getattr(s.opts, k) for k in ("indexer_query_block", "indexer_key_block",
+                                                                "attention_query_block", "remat")}},
+        "model": {"layers": s.cfg.num_hidden_layers,
+                  "param_count": sum(math.prod(x.shape) for x in jax.tree.leaves(base)),
+                  "param_bytes": tree_bytes(base, False), "param_bytes_per_device": tree_bytes(base, True),
+                  "lora_count": sum(math.prod(x.shape) for x in jax.tree.leaves(lora_state)),
+                  "lora_bytes": tree_bytes(lora_state, False), "lora_bytes_per_device": tree_bytes(lora_state, True)},
+        "indexer_analytic": indexer_analytic(s),
+        "cache": {"batch1_bytes": cache_bytes(cache1, False), "batch1_bytes_per_device": cache_bytes(cache1, True),
+                  "decode_bytes": cache_bytes(cache_g, False), "decode_bytes_per_device": cache_bytes(cache_g, True)},
+    }
