@@ -9,6 +9,12 @@ through in blocks (a `fori_loop` that stops at the last causally visible block) 
 top-k is merged with each new block's scores. No
 `[S, T]` array exists; live memory is `O(query_block * (topk + key_block))`.
 
+Kernel path (`kernels="pallas"`, or "auto" on a GPU; glm52_jax.kernels): the same loop, with each
+block scored by the fused Pallas kernel (kernels/indexer.py: dots, relu, weighted head sum and causal
+mask in one kernel; keys read in place) and merged by radix select (kernels/indexer_select.py: linear
+in the candidates, one sort per query at the end) instead of `lax.top_k`; on a GPU its blocks are
+larger (a 512-query group x 8192-key chunk per step). Same top-k, ties included (tests/kernels).
+
 Axis letters: B batch, S queries, T keys, H indexer heads, I indexer head dim, K top-k, D model dim,
 Q q_lora rank, R rotary dim.
 """
@@ -21,6 +27,9 @@ from flax import nnx
 
 from glm52_jax import positions as rope_lib
 from glm52_jax.config import ModelConfig
+from glm52_jax.kernels import indexer as kernel_indexer
+from glm52_jax.kernels import indexer_select as kernel_select
+from glm52_jax.kernels import use_pallas
 from glm52_jax.model.layers import LayerNorm, param, project
 from glm52_jax.parallel.rules import constrain
 
@@ -74,7 +83,7 @@ def block_scores(q: jax.Array, w: jax.Array, k: jax.Array, scale: float) -> jax.
 
 def streaming_topk(q: jax.Array, w: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: jax.Array, topk: int, *,
                    scale: float, query_block: int, key_block: int, sorted_keys: bool = True,
-                   return_scores: bool = False):
+                   return_scores: bool = False, kernels: str = "reference", score_dtype=None):
     """Exact causal top-k of the index scores without materialising `[S, T]`.
 
     q: [B,S,H,I], w: [B,S,H], k: [B,T,I], q_pos: [S], k_pos: [T] (key s is visible to query t
@@ -82,45 +91,79 @@ def streaming_topk(q: jax.Array, w: jax.Array, k: jax.Array, q_pos: jax.Array, k
     descending score; slots without a visible key hold INVALID. `sorted_keys` (k_pos ascending,
     as in a sequence or a cache) lets each query block stop at its last visible key block.
     With `return_scores`, returns (scores [B,S,K] float32, -inf where INVALID, indices).
+    `kernels` (ModelOptions.kernels) selects the scoring: this module's jnp blocks or the fused
+    Pallas kernel (glm52_jax.kernels.indexer), which scores in `score_dtype` (default: k's dtype;
+    the model passes its parameter dtype: its q and k are values of that dtype held in float32,
+    so the cast is exact). Same top-k either way (the merge below is shared).
     """
-    batch = q.shape[0]
+    batch, seq = q.shape[:2]
     num_keys = k.shape[1]
-    kb = min(key_block, num_keys)
-    k = jax.lax.stop_gradient(_pad_to(k, 1, kb, 0.0))
-    k_pos_p = _pad_to(k_pos, 0, kb, jnp.iinfo(jnp.int32).max)  # padded keys are never visible
-    nk = k.shape[1] // kb
-    k_blocks = k.reshape(batch, nk, kb, -1).swapaxes(0, 1)  # [nk, B, kb, I]
-    kpos_blocks = k_pos_p.reshape(nk, kb)
+    k, k_pos = jax.lax.stop_gradient(k), k_pos.astype(jnp.int32)
+    if use_pallas(kernels):
+        qb, kb = kernel_indexer.blocks(seq, num_keys, query_block, key_block)
+        dtype = k.dtype if score_dtype is None else score_dtype
+        keys = k.astype(dtype)  # once per call; the kernel reads key rows in place from it
+
+        def score_block(j, q_blk, w_blk, qpos_blk):
+            scores = kernel_indexer.index_scores(q_blk.astype(dtype), w_blk, qpos_blk, keys, k_pos, j * kb, kb,
+                                                 scale=scale)
+            return scores, j * kb + jnp.arange(kb, dtype=jnp.int32)
+    else:
+        qb, kb = min(query_block, seq), min(key_block, num_keys)
+        nk = -(-num_keys // kb)
+        k_blocks = _pad_to(k, 1, kb, 0.0).reshape(batch, nk, kb, -1).swapaxes(0, 1)  # [nk, B, kb, I]
+        kpos_blocks = _pad_to(k_pos, 0, kb, jnp.iinfo(jnp.int32).max).reshape(nk, kb)  # padding: never visible
+
+        def read(j):
+            return k_blocks[j], kpos_blocks[j], j * kb + jnp.arange(kb, dtype=jnp.int32)
+
+        score_block = _reference_scores(read, scale)
+
     # Key blocks whose smallest position exceeds a query block's largest one hold nothing visible;
     # with positions sorted (slot order) the visible blocks are a prefix, so the loop stops there.
-    kpos_first = kpos_blocks[:, 0]
+    nk = -(-num_keys // kb)
+    kpos_first = k_pos[::kb]
 
     def visible_blocks(qpos_blk):
         if sorted_keys:
             return jnp.sum(kpos_first <= jnp.max(qpos_blk)).astype(jnp.int32)
         return nk
 
-    def read(j):
-        return k_blocks[j], kpos_blocks[j], j * kb + jnp.arange(kb, dtype=jnp.int32)
-
-    return _topk_core(q, w, q_pos, read, visible_blocks, kb,
-                      min(topk, num_keys), scale, query_block, return_scores)
+    kk = min(topk, num_keys)
+    merger = _SelectMerge(kk) if use_pallas(kernels) else None
+    return _topk_core(q, w, q_pos, score_block, visible_blocks, qb, kk, return_scores, merger)
 
 
 def cached_topk(q: jax.Array, w: jax.Array, keys: jax.Array, index: tuple, q_pos: jax.Array, length: jax.Array,
-                topk: int, *, scale: float, query_block: int, key_block: int):
+                topk: int, *, scale: float, query_block: int, key_block: int, kernels: str = "reference",
+                score_dtype=None):
     """Top-k over cache slots `[0, length)` of `keys[index]` (every query sits at or after `length`).
 
-    keys: [..., B, Cap, I] a stacked cache read in place: each key block is a small dynamic slice
-    at `index + (0, block_start, 0)`, so no per-layer copy of the cache is made. Returns
-    (scores [B,S,K], indices [B,S,K]) with K = min(topk, Cap), INVALID / -inf where empty.
+    keys: [..., B, Cap, I] a stacked cache read in place: the reference reads each key block as a
+    small dynamic slice at `index + (0, block_start, 0)`, the Pallas kernel (`kernels`, see
+    `streaming_topk`) reads the rows straight from the stack; no per-layer copy of the cache is
+    made. Returns (scores [B,S,K], indices [B,S,K]) with K = min(topk, Cap), INVALID / -inf where empty.
     """
     batch, capacity, dim = keys.shape[-3:]
+    lead = tuple(jnp.asarray(i, jnp.int32) for i in index)
+    kk = min(topk, capacity)
     # Few queries (decode) take proportionally longer key blocks: the live score block stays
     # query_block x key_block while the loop runs fewer, larger steps.
     wide = key_block * max(1, query_block // q.shape[1])
+    if use_pallas(kernels):
+        qb, kb = kernel_indexer.blocks(q.shape[1], capacity, query_block, wide)
+        dtype = keys.dtype if score_dtype is None else score_dtype
+        slots = jnp.arange(capacity, dtype=jnp.int32)
+        slot_pos = jnp.where(slots < length, slots, jnp.iinfo(jnp.int32).max)  # unwritten slots: never visible
+
+        def score_block(j, q_blk, w_blk, qpos_blk):
+            scores = kernel_indexer.index_scores(q_blk.astype(dtype), w_blk, qpos_blk, jax.lax.stop_gradient(keys),
+                                                 slot_pos, j * kb, kb, scale=scale, lead=lead, compute_dtype=dtype)
+            return scores, j * kb + jnp.arange(kb, dtype=jnp.int32)
+
+        return _topk_core(q, w, q_pos, score_block, lambda qpos_blk: (length + kb - 1) // kb, qb, kk, True,
+                          _SelectMerge(kk))
     kb = min(wide, capacity)
-    lead = tuple(jnp.asarray(i, jnp.int32) for i in index)
     zero = jnp.zeros((), jnp.int32)
 
     def read(j):
@@ -135,8 +178,8 @@ def cached_topk(q: jax.Array, w: jax.Array, keys: jax.Array, index: tuple, q_pos
         kpos = jnp.where((slots >= first) & (slots < length), slots, jnp.iinfo(jnp.int32).max)
         return jax.lax.stop_gradient(blk.reshape(batch, kb, dim).astype(jnp.float32)), kpos, slots
 
-    return _topk_core(q, w, q_pos, read, lambda qpos_blk: (length + kb - 1) // kb, kb, min(topk, capacity), scale,
-                      query_block, True)
+    return _topk_core(q, w, q_pos, _reference_scores(read, scale), lambda qpos_blk: (length + kb - 1) // kb,
+                      min(query_block, q.shape[1]), kk, True)
 
 
 def merge_topk(first: tuple[jax.Array, jax.Array], second: tuple[jax.Array, jax.Array], topk: int) -> jax.Array:
@@ -147,17 +190,72 @@ def merge_topk(first: tuple[jax.Array, jax.Array], second: tuple[jax.Array, jax.
     return jnp.where(jnp.isneginf(best), INVALID, jnp.take_along_axis(idxs, pos, axis=-1))
 
 
-def _topk_core(q, w, q_pos, read_block, visible_blocks, kb, kk, scale, query_block, return_scores):
-    """Query blocks (`lax.map`) x visible key blocks (`fori_loop`) with a running top-k.
+def _reference_scores(read_block, scale):
+    """The jnp scoring of key block j: read_block(j) -> (keys [B,kb,I] float32, key positions [kb], key
+    indices [kb]); returns score_block(j, q_blk, w_blk, qpos_blk) -> (masked scores [B,qb,kb], indices)."""
 
-    read_block(j) -> (keys [B,kb,I] float32, key positions [kb], key indices [kb]); visible_blocks(qpos_blk) ->
-    number of leading key blocks any query of the block can see.
+    def score_block(j, q_blk, w_blk, qpos_blk):
+        k_blk, kpos, kidx = read_block(j)
+        scores = block_scores(q_blk, w_blk, k_blk, scale)
+        visible = kpos[None, None, :] <= qpos_blk[None, :, None]
+        return jnp.where(visible, scores, -jnp.inf), kidx
+
+    return score_block
+
+
+class _SortMerge:
+    """The reference's running top-k: kept sorted, merged with each block by `lax.top_k`."""
+
+    def __init__(self, kk: int):
+        self.kk = kk
+
+    def init(self, batch: int, rows: int):
+        return (jnp.full((batch, rows, self.kk), -jnp.inf, jnp.float32),
+                jnp.full((batch, rows, self.kk), INVALID, jnp.int32))
+
+    def step(self, carry, scores, kidx):
+        best_val, best_idx = carry  # [B,qb,K]
+        # Running entries come first and hold smaller key indices, so ties keep the lowest index.
+        vals = jnp.concatenate([best_val, scores], axis=-1)
+        idxs = jnp.concatenate([best_idx, jnp.broadcast_to(kidx, scores.shape)], axis=-1)
+        new_val, pos = jax.lax.top_k(vals, self.kk)
+        return new_val, jnp.take_along_axis(idxs, pos, axis=-1)
+
+    def finish(self, carry):
+        best_val, best_idx = carry
+        return best_val, jnp.where(jnp.isneginf(best_val), INVALID, best_idx)
+
+
+class _SelectMerge:
+    """The kernel path's running top-k: radix-selected per block (kernels/indexer_select.py: linear in
+    the candidates, no sort), sorted once at the end; same result as `_SortMerge`."""
+
+    def __init__(self, kk: int):
+        self.kk, self.keep = kk, kernel_select.next_pow2(kk)
+
+    def init(self, batch: int, rows: int):
+        return kernel_select.init_running(batch, rows, self.keep)
+
+    def step(self, carry, scores, kidx):
+        return kernel_select.merge_select(carry, scores, kidx[0])  # block indices are kidx[0] + arange
+
+    def finish(self, carry):
+        return kernel_select.finish(carry, self.kk)
+
+
+def _topk_core(q, w, q_pos, score_block, visible_blocks, qb, kk, return_scores, merger=None):
+    """Query blocks of qb (`lax.map`) x visible key blocks (`fori_loop`) with a running top-k.
+
+    score_block(j, q_blk [B,qb,H,I], w_blk [B,qb,H], qpos_blk [qb]) -> (scores [B,qb,kb] float32,
+    -inf where not visible; key indices [kb], consecutive and increasing with j); visible_blocks(qpos_blk)
+    -> number of leading key blocks any query of the block can see. `merger`: `_SortMerge` (default)
+    or `_SelectMerge`.
     """
+    merger = _SortMerge(kk) if merger is None else merger
     # No gradient flows through selection (HF runs the indexer under no_grad); stopping it at the
     # inputs also lets the key loop below have a data-dependent trip count.
     q, w = jax.lax.stop_gradient((q, w))
     batch, seq, _, _ = q.shape
-    qb = min(query_block, seq)
     q = _pad_to(q, 1, qb, 0.0)
     w = _pad_to(w, 1, qb, 0.0)
     q_pos_p = _pad_to(q_pos, 0, qb, -1)  # padded queries see no key
@@ -167,20 +265,10 @@ def _topk_core(q, w, q_pos, read_block, visible_blocks, kb, kk, scale, query_blo
         q_blk, w_blk, qpos_blk = args  # [B,qb,H,I], [B,qb,H], [qb]
 
         def merge(j, carry):
-            best_val, best_idx = carry  # [B,qb,K]
-            k_blk, kpos, kidx = read_block(j)
-            scores = block_scores(q_blk, w_blk, k_blk, scale)
-            visible = kpos[None, None, :] <= qpos_blk[None, :, None]
-            scores = jnp.where(visible, scores, -jnp.inf)
-            # Running entries come first and hold smaller key indices, so ties keep the lowest index.
-            vals = jnp.concatenate([best_val, scores], axis=-1)
-            idxs = jnp.concatenate([best_idx, jnp.broadcast_to(kidx, scores.shape)], axis=-1)
-            new_val, pos = jax.lax.top_k(vals, kk)
-            return new_val, jnp.take_along_axis(idxs, pos, axis=-1)
+            return merger.step(carry, *score_block(j, q_blk, w_blk, qpos_blk))
 
-        init = (jnp.full((batch, qb, kk), -jnp.inf, jnp.float32), jnp.full((batch, qb, kk), INVALID, jnp.int32))
-        best_val, best_idx = jax.lax.fori_loop(0, visible_blocks(qpos_blk), merge, init)
-        return best_val, jnp.where(jnp.isneginf(best_val), INVALID, best_idx)
+        carry = jax.lax.fori_loop(0, visible_blocks(qpos_blk), merge, merger.init(batch, qb))
+        return merger.finish(carry)
 
     q_blocks = q.reshape(batch, nq, qb, *q.shape[2:]).swapaxes(0, 1)
     w_blocks = w.reshape(batch, nq, qb, -1).swapaxes(0, 1)

@@ -16,13 +16,13 @@ from flax import nnx
 
 from glm52_jax import positions as rope_lib
 from glm52_jax.config import ModelConfig
+from glm52_jax.model import context_parallel as context
 from glm52_jax.model.indexer import Indexer, cached_topk, merge_topk, streaming_topk
 from glm52_jax.model.kv_cache import LayerCacheView
 from glm52_jax.model.layers import RMSNorm, param, project
 from glm52_jax.model.lora import KVBAdapter, adapter, targets
 from glm52_jax.model.options import ModelOptions
 from glm52_jax.model.sparse_attention import array_rows, cached_rows, sparse_mla_rows
-from glm52_jax.parallel import context
 from glm52_jax.parallel.rules import constrain
 
 
@@ -82,7 +82,8 @@ class Attention(nnx.Module):
         q_lat = constrain(q_lat, ("batch", "seq", "heads", "kv_lora"))
         if self.indexer is None and prev_topk is None:
             raise ValueError("a 'shared' indexer layer needs the previous full layer's top-k")
-        blocks = dict(query_block=self.opts.indexer_query_block, key_block=self.opts.indexer_key_block)
+        blocks = dict(query_block=self.opts.indexer_query_block, key_block=self.opts.indexer_key_block,
+                      kernels=self.opts.kernels, score_dtype=self.opts.param_dtype)
         iscale = cfg.index_head_dim ** -0.5
         layout = context.current() if cache is None else None
         sharded_cache = None if cache is None else context.cached_layout(
@@ -92,13 +93,13 @@ class Attention(nnx.Module):
                 sharded_cache[0], q_lat, q_rope, c_kv, k_rope, positions, cache,
                 None if self.indexer is None else (iq, iw, ik), prev_topk if self.indexer is None else None,
                 index_topk=cfg.index_topk, index_scale=iscale, softmax_scale=cfg.softmax_scale,
-                indexer_query_block=blocks["query_block"], indexer_key_block=blocks["key_block"])
+                indexer_blocks=blocks)
         elif layout is not None:  # explicit context parallelism: sharded queries, gathered key side
             out_lat, topk = context.cp_sparse_attention(
                 layout, q_lat, q_rope, c_kv, k_rope, positions, None if self.indexer is None else (iq, iw, ik),
                 prev_topk if self.indexer is None else None, index_topk=cfg.index_topk, index_scale=iscale,
-                softmax_scale=cfg.softmax_scale, indexer_query_block=blocks["query_block"],
-                indexer_key_block=blocks["key_block"], attention_query_block=self.opts.attention_query_block)
+                softmax_scale=cfg.softmax_scale, indexer_blocks=blocks,
+                attention_query_block=self.opts.attention_query_block, kernels=self.opts.kernels)
         else:
             topk = self._topk(iq, iw, ik, positions, prev_topk, cache, iscale, blocks)
             if cache is None:
@@ -106,7 +107,7 @@ class Attention(nnx.Module):
             else:
                 rows = cached_rows(cache.c_kv, cache.k_rope, cache.slot, cache.length, c_kv, k_rope)
             out_lat = sparse_mla_rows(q_lat, q_rope, rows, topk, scale=cfg.softmax_scale,
-                                      query_block=self.opts.attention_query_block)
+                                      query_block=self.opts.attention_query_block, kernels=self.opts.kernels)
         out = project(out_lat, self.w_uv, "bshc,chv->bshv", None if kv_b is None else kv_b.value)
         y = project(out, self.o_proj, "bshv,hvd->bsd", self.o_proj_lora)
         return constrain(y, ("batch", "seq", "embed")), topk, (c_kv, k_rope, ik)

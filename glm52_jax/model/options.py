@@ -6,6 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from glm52_jax.choices import KERNELS
 from glm52_jax.model.lora import LoRAConfig
 
 
@@ -17,11 +18,15 @@ class ModelOptions:
     `weights_proj` stay float32 whatever it is. Use float32 for parity checks.
     `lora`: low-rank adapters on the frozen base (see `model.lora`); None (default) builds none.
     `context_parallel`: how a whole-sequence forward runs attention when a mesh shards `seq`:
-    "zigzag" (load-balanced layout) or "contiguous" explicit CP (`parallel.context`), or "off"
+    "zigzag" (load-balanced layout) or "contiguous" explicit CP (`model.context_parallel`), or "off"
     (GSPMD places it). Cached chunks (prefill, decode) are not affected.
     `moe_token_block`: the expert-parallel MoE routes at most this many of a device's tokens per
     all-to-all round (a whole-prompt prefill holds 64K tokens per device at 2M; the exchange
     buffers grow with the tokens routed at once).
+    `kernels`: the DSA indexer top-k and sparse attention implementation: "reference" (the jnp code
+    in model/indexer.py and model/sparse_attention.py), "pallas" (glm52_jax.kernels; interpreted on a
+    CPU backend, which is how CPU tests run them) or "auto" (pallas on a GPU backend, else reference).
+    Both give the same results (see tests/kernels).
     """
 
     param_dtype: object = jnp.bfloat16
@@ -32,6 +37,7 @@ class ModelOptions:
     lora: LoRAConfig | None = None
     context_parallel: str = "zigzag"
     moe_token_block: int = 1024
+    kernels: str = "auto"
 
     def __post_init__(self):
         for name in ("indexer_query_block", "indexer_key_block", "attention_query_block", "moe_token_block"):
@@ -42,5 +48,7 @@ class ModelOptions:
         if self.context_parallel not in ("zigzag", "contiguous", "off"):
             raise ValueError(f"ModelOptions.context_parallel: expected 'zigzag', 'contiguous' or 'off', "
                              f"got {self.context_parallel!r}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"ModelOptions.kernels: expected one of {KERNELS}, got {self.kernels!r}")
         if self.lora is not None and not isinstance(self.lora, LoRAConfig):
             raise ValueError(f"ModelOptions.lora: expected a LoRAConfig or None, got {self.lora!r}")

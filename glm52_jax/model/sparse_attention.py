@@ -8,13 +8,22 @@ Queries are processed in blocks; each block gathers its K selected rows, so live
 `O(query_block * K * (C + R))` and no `[S, T]` array exists. The block body is rematerialised in
 the backward pass, so residuals stay `O(S * K)` indices rather than gathered rows.
 
+`kernels` (ModelOptions.kernels) picks the implementation: the jnp reference here, or the Pallas
+kernels (`glm52_jax.kernels.sparse_mla`), which read the selected rows in place from the row
+source's tables and give the same results (tests/kernels).
+
 Axis letters: B batch, S queries, T keys, H heads, C kv_lora rank, R rotary dim, K top-k.
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+
+from glm52_jax import kernels as kernel_seam
+from glm52_jax.kernels.sparse_mla import encode_rows, sparse_mla_tables, supported_widths
 
 _MASKED = -1e30
 
@@ -24,49 +33,117 @@ def _gather_rows(rows: jax.Array, idx: jax.Array) -> jax.Array:
     return jax.vmap(lambda r, i: r[i])(rows, idx)
 
 
-def array_rows(c_kv: jax.Array, k_rope: jax.Array):
+class ArrayRows:
+    """Row source for keys held as plain arrays `c_kv: [B,T,C], k_rope: [B,T,R]`.
+
+    Called with `idx: [B,s,K]` (all >= 0) it gathers `([B,s,K,C], [B,s,K,R])` (the reference path);
+    `tables()` / `row_ids(idx)` describe the same rows to the kernels: flat tables `[B*T, *]` and the
+    absolute row of each slot.
+    """
+
+    def __init__(self, c_kv: jax.Array, k_rope: jax.Array):
+        self.c_kv, self.k_rope = c_kv, k_rope
+
+    def __call__(self, idx: jax.Array):
+        return _gather_rows(self.c_kv, idx), _gather_rows(self.k_rope, idx)
+
+    def tables(self):
+        batch, keys = self.c_kv.shape[:2]
+        return (self.c_kv.reshape(batch * keys, -1),), (self.k_rope.reshape(batch * keys, -1),)
+
+    def row_ids(self, idx: jax.Array) -> jax.Array:
+        batch, keys = self.c_kv.shape[:2]
+        return idx + (jnp.arange(batch, dtype=jnp.int32) * keys)[:, None, None]
+
+
+def array_rows(c_kv: jax.Array, k_rope: jax.Array) -> ArrayRows:
     """Row source for keys held as plain arrays `c_kv: [B,T,C], k_rope: [B,T,R]`."""
-    return lambda idx: (_gather_rows(c_kv, idx), _gather_rows(k_rope, idx))
+    return ArrayRows(c_kv, k_rope)
 
 
-def cached_rows(cache_c: jax.Array, cache_r: jax.Array, index: tuple, length: jax.Array, new_c: jax.Array,
-                new_r: jax.Array):
+class CachedRows:
     """Row source for a chunk attending to a stacked cache plus its own not-yet-written keys.
 
     cache_c: [..., B, Cap, C] and cache_r: [..., B, Cap, R] are read in place at `index` (one gather
     from the whole stack, no per-layer slice copy); slots `>= length` come from the chunk's own
-    rows `new_c: [B,S,C]`, `new_r: [B,S,R]` (slot `length + j` is chunk row j).
+    rows `new_c: [B,S,C]`, `new_r: [B,S,R]` (slot `length + j` is chunk row j). For the kernels the
+    tables are the whole stack flattened to rows (A) and the chunk's rows (B).
     """
-    lead = tuple(jnp.asarray(i, jnp.int32) for i in index)
 
-    def rows(idx):  # [B,s,K], all >= 0
+    def __init__(self, cache_c, cache_r, index: tuple, length, new_c, new_r):
+        self.cache_c, self.cache_r, self.new_c, self.new_r = cache_c, cache_r, new_c, new_r
+        self.lead = tuple(jnp.asarray(i, jnp.int32) for i in index)
+        self.length = length
+
+    def _slots(self, idx):
         b = jnp.arange(idx.shape[0], dtype=jnp.int32)[:, None, None]
-        in_cache = idx < length
-        old = jnp.minimum(idx, cache_c.shape[-2] - 1)
-        new = jnp.clip(idx - length, 0, new_c.shape[1] - 1)
+        in_cache = idx < self.length
+        old = jnp.minimum(idx, self.cache_c.shape[-2] - 1)
+        new = jnp.clip(idx - self.length, 0, self.new_c.shape[1] - 1)
+        return b, in_cache, old, new
+
+    def __call__(self, idx):  # [B,s,K], all >= 0
+        b, in_cache, old, new = self._slots(idx)
         out = []
-        for cached, fresh in ((cache_c, new_c), (cache_r, new_r)):
-            past = cached[(*lead, b, old)]
+        for cached, fresh in ((self.cache_c, self.new_c), (self.cache_r, self.new_r)):
+            past = cached[(*self.lead, b, old)]
             mine = _gather_rows(fresh, new).astype(past.dtype)
             out.append(jnp.where(in_cache[..., None], past, mine))
         return tuple(out)
 
-    return rows
+    def tables(self):
+        return tuple((cached.reshape(-1, cached.shape[-1]), fresh.astype(cached.dtype).reshape(-1, cached.shape[-1]))
+                     for cached, fresh in ((self.cache_c, self.new_c), (self.cache_r, self.new_r)))
+
+    def row_ids(self, idx: jax.Array) -> jax.Array:
+        b, in_cache, old, new = self._slots(idx)
+        stack = self.cache_c.shape[:-3]
+        batch, capacity = self.cache_c.shape[-3:-1]
+        flat_lead = sum((i * math.prod(stack[n + 1:]) for n, i in enumerate(self.lead)), jnp.int32(0))
+        in_stack = (flat_lead * batch + b) * capacity + old
+        stack_rows = math.prod(stack) * batch * capacity
+        return jnp.where(in_cache, in_stack, stack_rows + b * self.new_c.shape[1] + new)
+
+
+def cached_rows(cache_c: jax.Array, cache_r: jax.Array, index: tuple, length: jax.Array, new_c: jax.Array,
+                new_r: jax.Array) -> CachedRows:
+    """Row source for a chunk attending to a stacked cache plus its own keys (see `CachedRows`)."""
+    return CachedRows(cache_c, cache_r, index, length, new_c, new_r)
 
 
 def sparse_mla(q_lat: jax.Array, q_rope: jax.Array, c_kv: jax.Array, k_rope: jax.Array, topk: jax.Array, *,
-               scale: float, query_block: int) -> jax.Array:
+               scale: float, query_block: int, kernels: str = "reference") -> jax.Array:
     """Attention over each query's selected keys.
 
     q_lat: [B,S,H,C], q_rope: [B,S,H,R], c_kv: [B,T,C], k_rope: [B,T,R], topk: [B,S,K] int32
     (negative = no key). Returns the latent output [B,S,H,C] in q_lat's dtype.
     """
-    return sparse_mla_rows(q_lat, q_rope, array_rows(c_kv, k_rope), topk, scale=scale, query_block=query_block)
+    return sparse_mla_rows(q_lat, q_rope, array_rows(c_kv, k_rope), topk, scale=scale, query_block=query_block,
+                           kernels=kernels)
+
+
+def _pallas_interpret(kernels: str, q_lat: jax.Array, q_rope: jax.Array) -> bool | None:
+    """None: run the reference; else whether the Pallas kernels run in interpret mode (no GPU target)."""
+    if not kernel_seam.use_pallas(kernels):
+        return None
+    problem = supported_widths(q_lat.shape[-1], q_rope.shape[-1])
+    if problem is not None:
+        if kernels == "auto":
+            return None
+        raise ValueError(f"kernels='pallas': {problem}")
+    return kernel_seam.interpret()
 
 
 def sparse_mla_rows(q_lat: jax.Array, q_rope: jax.Array, rows, topk: jax.Array, *, scale: float,
-                    query_block: int) -> jax.Array:
-    """`sparse_mla` with the keys given as a row source: `rows(idx [B,s,K]) -> ([B,s,K,C], [B,s,K,R])`."""
+                    query_block: int, kernels: str = "reference") -> jax.Array:
+    """`sparse_mla` with the keys given as a row source (`ArrayRows` / `CachedRows`, or any callable
+    `rows(idx [B,s,K]) -> ([B,s,K,C], [B,s,K,R])` for the reference)."""
+    interpret = _pallas_interpret(kernels, q_lat, q_rope)
+    if interpret is not None:
+        valid = topk >= 0
+        codes = encode_rows(rows.row_ids(jnp.where(valid, topk, 0)), valid)
+        kv_tables, kr_tables = rows.tables()
+        return sparse_mla_tables(q_lat, q_rope, kv_tables, kr_tables, codes, scale=scale, interpret=interpret)[0]
     batch, seq, heads, _ = q_lat.shape
     qb = min(query_block, seq)
     pad = (-seq) % qb

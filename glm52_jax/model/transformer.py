@@ -20,13 +20,13 @@ from flax import nnx
 
 from glm52_jax import positions as rope_lib
 from glm52_jax.config import ModelConfig
+from glm52_jax.model import context_parallel as context
 from glm52_jax.model.kv_cache import KVCache, LayerCacheView, cache_from_entries, init_cache, write_chunk
 from glm52_jax.model.layers import RMSNorm, param
 from glm52_jax.model.lora import adapter
 from glm52_jax.model.mla import Attention
 from glm52_jax.model.moe import MLP, MoE
 from glm52_jax.model.options import ModelOptions
-from glm52_jax.parallel import context
 from glm52_jax.parallel.rules import constrain
 
 LayerKind = tuple[str, str]  # (mlp type, indexer type)

@@ -1,0 +1,252 @@
+"""Sparse MLA attention with Pallas kernels: forward (output + log-sum-exp) and a deterministic backward.
+
+Same semantics as `model.sparse_attention.sparse_mla_rows` (the reference): every head of a query
+attends, in absorbed MQA form, to the K key rows its top-k selected; key = [c_kv ; k_rope] (C + R
+wide), value = c_kv; masked slots get the reference's finite logit -1e30, so a query with no valid
+slot averages the row that index 0 maps to (what the reference's gather of index 0 gives).
+
+The key rows stay where they are: one table `A` (a sequence's `c_kv` / `k_rope` flattened to rows)
+or two (`A` a stacked decode cache read in place, `B` the chunk's own rows); see
+`sparse_mla_kernels` for the kernels and the row-id encoding.
+
+Backward (a `jax.custom_vjp`): dq from the per-query kernel; the key rows' gradient is the sum,
+over every (query, slot) that selected a row, of that slot's row gradient. The kernel writes those
+per-slot rows for a chunk of queries, they are sorted by row (stable) and summed per row in that
+order by `segment_sum`: the result is deterministic, unlike an atomic scatter-add. Chunks of
+queries bound the per-slot buffer to `KernelConfig.chunk_entries` x (C + R) float32.
+
+Axis letters: B batch, S queries, H heads, C latent width, R rope width, K slots, N = B*S.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from glm52_jax.kernels import sparse_mla_kernels as kern
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Tiling of the sparse MLA kernels (static; part of the compiled program).
+
+    block_k / num_warps / num_stages: slots per step, warps and software-pipeline depth of the forward;
+    bwd_*: the same for the backward, which takes `bwd_block_h` heads per program. min_programs: fewer
+    query tokens than this split the slots over several programs per query (decode), up to about this
+    many programs in all. chunk_entries: (query, slot) entries whose per-slot key-row gradients the
+    backward holds at once. segment_block: entries summed per step of the deterministic scatter-add.
+    """
+
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+    bwd_block_k: int = 32
+    bwd_block_h: int = 32
+    bwd_num_warps: int = 8
+    bwd_num_stages: int = 1
+    min_programs: int = 264
+    chunk_entries: int = 1 << 18
+    segment_block: int = 16
+
+    def for_dtype(self, dtype) -> KernelConfig:
+        """The tiles for inputs of `dtype`: 4-byte inputs (float32 parity runs) double every tile's bytes, so
+        they take 16-slot steps, 16-head backward blocks and no extra pipeline stage (sm_90: 227 KiB per block)."""
+        if jnp.dtype(dtype).itemsize < 4:
+            return self
+        return dataclasses.replace(self, block_k=min(self.block_k, 16), num_stages=1,
+                                   bwd_block_k=min(self.bwd_block_k, 16), bwd_block_h=min(self.bwd_block_h, 16),
+                                   bwd_num_warps=4, bwd_num_stages=1)
+
+
+# Measured on an H200 (benchmarks/kernels_gpu.py --tune, bf16, 64 heads, k 2048): forward 64-slot steps with 8
+# warps and 2 stages was the fastest of the six tried; backward 32 slots x 32 heads with 8 warps.
+DEFAULT_CONFIG = KernelConfig()
+
+
+def _pow2_at_least(x: int, floor: int) -> int:
+    return max(floor, 1 << max(0, (x - 1).bit_length()))
+
+
+def _splits(num_queries: int, num_blocks: int, min_programs: int) -> int:
+    """Programs per query: a power of two that brings the grid near `min_programs`, at most one per block."""
+    want = -(-min_programs // max(num_queries, 1))
+    return min(_pow2_at_least(want, 1), 1 << (max(num_blocks, 1).bit_length() - 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    heads: int  # real heads
+    padded_heads: int
+    slots: int  # real K
+    padded_slots: int
+    splits: int
+    bwd_splits: int
+
+
+def _plan(n: int, heads: int, slots: int, cfg: KernelConfig) -> _Plan:
+    blocks = -(-slots // cfg.block_k)
+    splits = _splits(n, blocks, cfg.min_programs)
+    bwd_splits = _splits(n, -(-slots // cfg.bwd_block_k), cfg.min_programs)
+    unit = math.lcm(cfg.block_k * splits, cfg.bwd_block_k * bwd_splits)
+    return _Plan(heads, _pow2_at_least(heads, 16), slots, -(-slots // unit) * unit, splits, bwd_splits)
+
+
+def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def supported_widths(latent: int, rope: int) -> str | None:
+    """Why the kernels cannot take these widths (Triton tiles are powers of two, MMA operands >= 16), or None."""
+    for what, width in (("latent", latent), ("rope", rope)):
+        if width < 16 or width & (width - 1):
+            return f"sparse MLA kernel: the {what} width {width} is not a power of two >= 16"
+    return None
+
+
+def encode_rows(rows: jax.Array, valid: jax.Array) -> jax.Array:
+    """rows: [..., K] absolute row per slot (masked slots: the row index 0 maps to); valid: [..., K] bool
+    -> int32 codes (see `sparse_mla_kernels`)."""
+    rows = rows.astype(jnp.int32)
+    return jnp.where(valid, rows, -rows - 1)
+
+
+def _prepare(q_lat, q_rope, codes, plan: _Plan):
+    """Flatten queries to N and pad heads / slots: ([N,Hp,C], [N,Hp,R], [N,Kp])."""
+    b, s, h, c = q_lat.shape
+    n = b * s
+    ql = _pad_axis(q_lat.reshape(n, h, c), 1, plan.padded_heads)
+    qr = _pad_axis(q_rope.reshape(n, h, -1), 1, plan.padded_heads)
+    codes = codes.reshape(n, -1)
+    extra = plan.padded_slots - plan.slots
+    if extra:
+        # Padding slots repeat slot 0's row as masked: weight 0, or (for a fully masked query) one more
+        # copy of the row the query averages, which leaves the average unchanged.
+        first = codes[:, :1]
+        pad = jnp.broadcast_to(jnp.where(first >= 0, -first - 1, first), (n, extra))
+        codes = jnp.concatenate([codes, pad], axis=1)
+    return ql, qr, codes
+
+
+def _forward(q_lat, q_rope, kv_tables, kr_tables, codes, scale, interpret, cfg):
+    b, s, h, c = q_lat.shape
+    plan = _plan(b * s, h, codes.shape[-1], cfg)
+    ql, qr, flat_codes = _prepare(q_lat, q_rope, codes, plan)
+    o, m, l = kern.forward(flat_codes, ql, qr, kv_tables, kr_tables, scale=scale, block_k=cfg.block_k,
+                           splits=plan.splits, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                           interpret=interpret, out_dtype=q_lat.dtype if plan.splits == 1 else jnp.float32)
+    if plan.splits == 1:
+        o, m, l = o[:, 0], m[:, 0], l[:, 0]
+    else:  # log-sum-exp combine of the slot splits
+        m_all = jnp.max(m, axis=1)
+        weight = jnp.exp(m - m_all[:, None]) * l  # [N, splits, Hp]
+        l_all = jnp.sum(weight, axis=1)
+        o = (jnp.einsum("nsh,nshc->nhc", weight, o) / l_all[..., None]).astype(q_lat.dtype)
+        m, l = m_all, l_all
+    out = o[:, :h].reshape(b, s, h, c)
+    lse = (m + jnp.log(l))[:, :h].reshape(b, s, h)
+    return (out, lse), (ql, qr, flat_codes, o, m, l)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _sparse_mla(q_lat, q_rope, kv_tables, kr_tables, codes, scale, interpret, cfg):
+    return _forward(q_lat, q_rope, kv_tables, kr_tables, codes, scale, interpret, cfg)[0]
+
+
+def _sparse_mla_fwd(q_lat, q_rope, kv_tables, kr_tables, codes, scale, interpret, cfg):
+    outs, (ql, qr, flat_codes, o, m, l) = _forward(q_lat, q_rope, kv_tables, kr_tables, codes, scale, interpret,
+                                                   cfg)
+    return outs, (ql, qr, kv_tables, kr_tables, flat_codes, o, m, l, q_lat.shape, codes.shape)
+
+
+def _chunked(x: jax.Array, chunks: int) -> jax.Array:
+    """[N*, ...] -> [chunks, N*/chunks, ...] after zero-padding N to a multiple of `chunks`."""
+    size = -(-x.shape[0] // chunks)
+    return _pad_axis(x, 0, size * chunks).reshape(chunks, size, *x.shape[1:])
+
+
+def _partials(rows: jax.Array) -> jax.Array:
+    """Per-slot rows `[P, N, K, W]` (P head blocks) -> `[P, N*K, W]`, entries in (query, slot) order."""
+    parts, n, k, w = rows.shape
+    return rows.reshape(parts, n * k, w)
+
+
+def _scatter_rows(acc_tables, src, keys_sorted, ends, order, cfg, interpret):
+    """Add per-entry rows `src: [P, E, W]` (summed over P) into `acc_tables` (rows of [A; B]), in key order."""
+    out, offset = [], 0
+    for acc in acc_tables:
+        out.append(kern.segment_sum(keys_sorted - offset, ends, order, src, acc, block_e=cfg.segment_block,
+                                    interpret=interpret))
+        offset += acc.shape[0]
+    return tuple(out)
+
+
+def _sparse_mla_bwd(scale, interpret, cfg, residuals, cotangents):
+    ql, qr, kv_tables, kr_tables, codes, o, m, l, q_shape, codes_shape = residuals
+    d_out, d_lse = cotangents
+    b, s, h, c = q_shape
+    n, kp = codes.shape
+    plan = _plan(n, h, codes_shape[-1], cfg)
+    hp = plan.padded_heads
+    do = _pad_axis(d_out.reshape(n, h, c), 1, hp).astype(ql.dtype)
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
+    delta = delta - _pad_axis(d_lse.reshape(n, h).astype(jnp.float32), 1, hp)
+
+    chunks = max(1, -(-n * kp // cfg.chunk_entries))
+    per_chunk = -(-n // chunks)
+    real = _chunked(jnp.ones((n,), bool), chunks)
+    xs = tuple(_chunked(x, chunks) for x in (codes, ql, qr, do, m, l, delta)) + (real,)
+    total_rows = sum(t.shape[0] for t in kv_tables)
+
+    def one_chunk(acc, args):
+        codes_c, ql_c, qr_c, do_c, m_c, l_c, delta_c, real_c = args
+        dql, dqr, dkv, dkr = kern.backward(codes_c, ql_c, qr_c, do_c, m_c, l_c, delta_c, kv_tables, kr_tables,
+                                           scale=scale, block_k=cfg.bwd_block_k,
+                                           block_h=min(cfg.bwd_block_h, hp), splits=plan.bwd_splits,
+                                           num_warps=cfg.bwd_num_warps, num_stages=cfg.bwd_num_stages,
+                                           interpret=interpret)
+        valid, rows = kern.decode_rows(codes_c)
+        # Masked slots carry weight 0 except in a fully masked query (each holds 1/K of its average).
+        keep = (valid | ~jnp.any(valid, axis=1, keepdims=True)) & real_c[:, None]
+        keys = jnp.where(keep, rows, total_rows).reshape(-1)
+        order = jnp.argsort(keys, stable=True).astype(jnp.int32)
+        keys_sorted = keys[order]
+        ends = jnp.searchsorted(keys_sorted, keys_sorted, side="right").astype(jnp.int32)
+        acc_kv, acc_kr = acc
+        acc_kv = _scatter_rows(acc_kv, _partials(dkv), keys_sorted, ends, order, cfg, interpret)
+        acc_kr = _scatter_rows(acc_kr, _partials(dkr), keys_sorted, ends, order, cfg, interpret)
+        return (acc_kv, acc_kr), (jnp.sum(dql, axis=1), jnp.sum(dqr, axis=1))
+
+    zeros = tuple(tuple(jnp.zeros(t.shape, jnp.float32) for t in tables) for tables in (kv_tables, kr_tables))
+    (acc_kv, acc_kr), (dql, dqr) = jax.lax.scan(one_chunk, zeros, xs)
+    dql = dql.reshape(chunks * per_chunk, hp, -1)[:n, :h]
+    dqr = dqr.reshape(chunks * per_chunk, hp, -1)[:n, :h]
+    d_kv = tuple(a.astype(t.dtype) for a, t in zip(acc_kv, kv_tables, strict=True))
+    d_kr = tuple(a.astype(t.dtype) for a, t in zip(acc_kr, kr_tables, strict=True))
+    return (dql.reshape(q_shape).astype(ql.dtype), dqr.reshape(*q_shape[:3], -1).astype(qr.dtype), d_kv, d_kr,
+            None)
+
+
+_sparse_mla.defvjp(_sparse_mla_fwd, _sparse_mla_bwd)
+
+
+def sparse_mla_tables(q_lat: jax.Array, q_rope: jax.Array, kv_tables: tuple, kr_tables: tuple, codes: jax.Array, *,
+                      scale: float, interpret: bool = False, config: KernelConfig = DEFAULT_CONFIG):
+    """Sparse MLA over rows of one or two tables.
+
+    q_lat: [B,S,H,C], q_rope: [B,S,H,R]; kv_tables: ([Ra,C],) or ([Ra,C], [Rb,C]); kr_tables likewise with
+    R; codes: [B,S,K] int32 from `encode_rows` (rows of [A; B]). Returns (latent output [B,S,H,C] in
+    q_lat's dtype, log-sum-exp of the scaled logits [B,S,H] float32). Differentiable in q and the tables.
+    """
+    problem = supported_widths(q_lat.shape[-1], q_rope.shape[-1])
+    if problem is not None:
+        raise ValueError(problem)
+    if len(kv_tables) not in (1, 2) or len(kv_tables) != len(kr_tables):
+        raise ValueError("sparse MLA kernel: one or two row tables, the same number for c_kv and k_rope")
+    return _sparse_mla(q_lat, q_rope, tuple(kv_tables), tuple(kr_tables), codes.astype(jnp.int32), float(scale),
+                       bool(interpret), config.for_dtype(q_lat.dtype))

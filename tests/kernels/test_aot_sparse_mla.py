@@ -1,0 +1,109 @@
+"""Deviceless sm_90a compiles of the sparse MLA kernels (H200 and H20 target configs) on this CPU machine.
+
+Triton and ptxas run for real (glm52_jax.kernels.aot): the kernels must lower for the GPU and fit the
+target's shared memory per block at GLM-5.2's shapes (64 heads, C 512, R 64, k 2048), in bf16 and in
+float32 (the parity runs' tiles); a tiny model's LoRA train step with kernels="pallas" compiles too. Registers and
+spills are reported by the compile (see BUILD_NOTES), not asserted.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import glm52_jax
+from glm52_jax import config
+from glm52_jax.kernels import aot
+from glm52_jax.kernels.sparse_mla import DEFAULT_CONFIG, KernelConfig, encode_rows, sparse_mla_tables
+from glm52_jax.model.lora import LoRA, LoRAConfig
+from glm52_jax.model.sparse_attention import cached_rows, sparse_mla_rows
+from glm52_jax.model.transformer import GlmMoeDsa, token_logprobs
+
+pytestmark = pytest.mark.skipif(aot.missing() is not None, reason=f"deviceless GPU compiles: {aot.missing()}")
+
+SD = jax.ShapeDtypeStruct
+H, C, R, K = 64, 512, 64, 2048
+KERNELS = ("sparse_mla_forward", "sparse_mla_backward", "sparse_mla_segment_sum")
+
+
+def _smem_limit(target: str) -> int:
+    return int(re.search(r"shared_memory_per_block_optin: (\d+)", aot.target_config(target)).group(1))
+
+
+def _train_attention(queries, keys, dtype, config=DEFAULT_CONFIG):
+    """Forward + gradient of the kernel over one sequence's rows: the training program's attention."""
+
+    def program(q_lat, q_rope, c_kv, k_rope, topk, proj):
+        def loss(q_lat, q_rope, c_kv, k_rope):
+            codes = encode_rows(jnp.maximum(topk, 0), topk >= 0)
+            out, lse = sparse_mla_tables(q_lat, q_rope, (c_kv,), (k_rope,), codes, scale=0.04, config=config)
+            return jnp.sum(out.astype(jnp.float32) * proj) + jnp.sum(lse)
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(q_lat, q_rope, c_kv, k_rope)
+
+    return program, (SD((1, queries, H, C), dtype), SD((1, queries, H, R), dtype), SD((keys, C), dtype),
+                     SD((keys, R), dtype), SD((1, queries, K), jnp.int32), SD((1, queries, H, C), jnp.float32))
+
+
+@pytest.mark.parametrize(("target", "dtype"), [("h200", jnp.bfloat16), ("h20", jnp.float32)])
+def test_forward_backward_compile(target, dtype):
+    queries = 512  # >= KernelConfig.min_programs: one program per query, no slot splits
+    program, args = _train_attention(queries, 8192, dtype)
+    compiled = aot.compile_for_gpu(program, *args, target=target)
+    for name in KERNELS:
+        resources = compiled.kernels[name]
+        assert resources.shared_memory <= _smem_limit(target), (name, resources)
+    tiles = DEFAULT_CONFIG.for_dtype(dtype)
+    forward, backward = compiled.kernels["sparse_mla_forward"], compiled.kernels["sparse_mla_backward"]
+    assert forward.shared_memory > 0 and backward.shared_memory > 0  # Triton stages the gathered rows there
+    assert forward.grid[:2] == (queries, 1) and forward.threads[0] == 32 * tiles.num_warps
+    chunks = -(-queries * K // tiles.chunk_entries)  # the backward runs chunks of queries (bounded row buffer)
+    assert backward.grid[:2] == (queries // chunks, H // tiles.bwd_block_h)
+    assert backward.threads[0] == 32 * tiles.bwd_num_warps
+
+
+def test_decode_over_cache_compiles_for_h20():
+    """8 rows decoding over a stacked 32K-slot bf16 cache read in place (two row tables, slot splits)."""
+
+    def decode(q_lat, q_rope, cache_c, cache_r, new_c, new_r, topk):
+        rows = cached_rows(cache_c, cache_r, (2,), jnp.int32(30000), new_c, new_r)
+        return sparse_mla_rows(q_lat, q_rope, rows, topk, scale=0.04, query_block=64, kernels="pallas")
+
+    g = 8
+    args = (SD((g, 1, H, C), jnp.bfloat16), SD((g, 1, H, R), jnp.bfloat16), SD((4, g, 32768, C), jnp.bfloat16),
+            SD((4, g, 32768, R), jnp.bfloat16), SD((g, 1, C), jnp.bfloat16), SD((g, 1, R), jnp.bfloat16),
+            SD((g, 1, K), jnp.int32))
+    compiled = aot.compile_for_gpu(decode, *args, target="h20")
+    forward = compiled.kernels["sparse_mla_forward"]
+    assert 0 < forward.shared_memory <= _smem_limit("h20")
+    assert forward.grid[0] * forward.grid[1] >= DEFAULT_CONFIG.min_programs // 2  # slots split over programs
+    # The cache is read in place: no copy of the 4-layer stack (bytes of one layer's c_kv alone: 256 MiB).
+    assert compiled.memory["temp"] < 64 * 2**20
+
+
+def test_oversized_block_is_rejected():
+    """128-slot steps with 4 pipeline stages hold ~600 KiB of row tiles: more than sm_90's 227 KiB per block."""
+    program, args = _train_attention(64, 4096, jnp.bfloat16, KernelConfig(block_k=128, num_stages=4))
+    with pytest.raises(aot.SharedMemoryError, match=r"Shared memory size limit exceeded: requested \d+, available: "
+                                                    + str(_smem_limit("h200"))):
+        aot.compile_for_gpu(lambda *a: program(*a)[0], *args, target="h200")
+
+
+@pytest.mark.slow  # ~300 s here: XLA's deviceless GPU compile of even a one-layer model is slow (reference too)
+def test_tiny_model_train_step_compiles():
+    """A one-layer tiny bf16 GLM-5.2 (full indexer) with kernels="pallas": its LoRA train step (forward,
+    log-probs, gradient) from abstract weights, in one program."""
+    cfg = config.tiny(num_hidden_layers=1, indexer_types=("full",))
+    opts = glm52_jax.ModelOptions(kernels="pallas", lora=LoRAConfig(rank=4, alpha=8.0))
+    abstract = nnx.eval_shape(lambda: GlmMoeDsa(cfg, opts, rngs=nnx.Rngs(0)))
+    graphdef, lora, rest = nnx.split(abstract, LoRA, ...)
+
+    def train_step(lora, rest, ids):
+        def loss(lora):
+            logprobs = token_logprobs(nnx.merge(graphdef, lora, rest), ids)
+            return -jnp.mean(logprobs), logprobs
+        return jax.grad(loss, has_aux=True)(lora)
+
+    compiled = aot.compile_for_gpu(train_step, lora, rest, SD((1, 96), jnp.int32), target="h200")
+    assert set(KERNELS) <= set(compiled.kernels), sorted(compiled.kernels)

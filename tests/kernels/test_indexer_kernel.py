@@ -1,0 +1,181 @@
+"""The Pallas indexer scoring kernel (interpret mode on CPU) against the jnp reference.
+
+Scores: float32 inputs agree with `block_scores` + the causal mask to float32 rounding (the head sum
+and the dot run in another order); bf16 inputs score the bf16-rounded values, with the same tolerance
+against the reference on those values. Top-k: with kernels="pallas" the index arrays (order included)
+equal the reference's exactly in float32: ragged query / key tails, k larger than the visible
+positions, fully masked rows, the cached variant (read in place, capacity not a multiple of the
+block) and ties to the lowest key index; IndexShare layers keep reusing the full layers' top-k.
+The kernel path merges each key block by radix select (indexer_select), checked against lax.top_k
+merges on heavily tied scores.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from indexer_inputs import indexer_inputs as _inputs
+
+from glm52_jax.config import tiny
+from glm52_jax.kernels import indexer as kernel
+from glm52_jax.kernels import indexer_select as kernel_select
+from glm52_jax.model.indexer import INVALID, block_scores, cached_topk, streaming_topk
+from glm52_jax.model.options import ModelOptions
+from glm52_jax.model.transformer import GlmMoeDsa
+
+SCALE = 0.25
+# float32 scores: the kernel sums heads and dot products in another order than XLA's einsums.
+F32_TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _reference_scores(q, w, k, q_pos, k_pos):
+    scores = block_scores(q, w, k, SCALE)
+    return jnp.where(k_pos[None, None, :] <= q_pos[None, :, None], scores, -jnp.inf)
+
+
+def _assert_scores_equal(ours, ref, **tol):
+    ours, ref = np.asarray(ours), np.asarray(ref)
+    np.testing.assert_array_equal(np.isneginf(ours), np.isneginf(ref))
+    finite = np.isfinite(ref)
+    np.testing.assert_allclose(ours[finite], ref[finite], **tol)
+
+
+@pytest.fixture(scope="module")
+def window():
+    """37 queries at positions 40..76 against key rows 30..93 of 90 keys: the window runs past the
+    key array (rows 90..93 are masked) and is not a multiple of the key tile; some tiles lie wholly
+    above the causal diagonal (skipped) and some straddle it."""
+    q, w, _ = _inputs(0)
+    _, _, k = _inputs(1, t=90)
+    q_pos = 40 + jnp.arange(37, dtype=jnp.int32)
+    k_pos = jnp.arange(90, dtype=jnp.int32)
+    return q, w, k, q_pos, k_pos
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_scores_match_reference(window, dtype):
+    q, w, k, q_pos, k_pos = window
+    q, k = q.astype(dtype), k.astype(dtype)
+    ours = kernel.index_scores(q, w, q_pos, k, k_pos, jnp.int32(30), 64, scale=SCALE)
+    rows = jnp.pad(k.astype(jnp.float32), ((0, 0), (0, 4), (0, 0)))[:, 30:94]
+    row_pos = jnp.pad(k_pos, (0, 4), constant_values=jnp.iinfo(jnp.int32).max)[30:94]
+    ref = _reference_scores(q.astype(jnp.float32), w, rows, q_pos, row_pos)
+    assert ours.shape == (2, 37, 64) and ours.dtype == jnp.float32
+    _assert_scores_equal(ours, ref, **F32_TOL)
+    assert np.isneginf(np.asarray(ours)[:, :, 60:]).all()  # rows past the keys
+    assert np.isfinite(np.asarray(ours)).any()
+
+
+def test_fp8_scores_match_dequantized_reference(window):
+    """FP8 e4m3 q and k with per-row scales: the kernel's scores equal the reference's on the
+    dequantised values (fp8 products are exact in float32)."""
+    q, w, k, q_pos, k_pos = window
+    q8, q_scale = kernel.quantize_e4m3(q)
+    k8, k_scale = kernel.quantize_e4m3(k)
+    ours = kernel.index_scores(q8, w * q_scale, q_pos, k8, k_pos, jnp.int32(0), 90, scale=SCALE, k_scale=k_scale)
+    deq_q = q8.astype(jnp.float32) * q_scale[..., None]
+    deq_k = k8.astype(jnp.float32) * k_scale[..., None]
+    _assert_scores_equal(ours, _reference_scores(deq_q, w, deq_k, q_pos, k_pos), **F32_TOL)
+    # e4m3 keeps 3 mantissa bits: scores move by a few percent of their range, no more.
+    exact = np.asarray(_reference_scores(q, w, k, q_pos, k_pos))
+    finite = np.isfinite(exact)
+    err = np.abs(np.asarray(ours)[finite] - exact[finite]).max() / np.abs(exact[finite]).max()
+    assert 0 < err < 0.1
+
+
+@pytest.mark.parametrize("query_block,key_block,topk", [(8, 4, 7), (64, 3, 50), (16, 16, 16)])
+def test_streaming_topk_equals_reference(query_block, key_block, topk):
+    """Ragged tails (37 = 2x16 + 5 queries, 37 keys), k above the visible count for early rows and
+    above all 37 keys (50: K = min(50, 37), INVALID padding)."""
+    q, w, k = _inputs(2)
+    pos = jnp.arange(37, dtype=jnp.int32)
+    args = dict(scale=SCALE, query_block=query_block, key_block=key_block, return_scores=True)
+    ref_vals, ref_idx = streaming_topk(q, w, k, pos, pos, topk, **args)
+    vals, idx = streaming_topk(q, w, k, pos, pos, topk, kernels="pallas", **args)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref_idx))
+    _assert_scores_equal(vals, ref_vals, **F32_TOL)
+    assert (np.asarray(idx) == INVALID).any() == (topk > 1)
+
+
+def test_fully_masked_rows():
+    """Queries before every key (positions -3..-1) get INVALID everywhere, as in the reference."""
+    q, w, k = _inputs(3, s=9, t=20)
+    q_pos = jnp.arange(9, dtype=jnp.int32) - 3
+    k_pos = jnp.arange(20, dtype=jnp.int32)
+    args = dict(scale=SCALE, query_block=4, key_block=8, return_scores=True)
+    ref_vals, ref_idx = streaming_topk(q, w, k, q_pos, k_pos, 5, **args)
+    vals, idx = streaming_topk(q, w, k, q_pos, k_pos, 5, kernels="pallas", **args)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref_idx))
+    assert (np.asarray(idx)[:, :3] == INVALID).all() and np.isneginf(np.asarray(vals)[:, :3]).all()
+    _assert_scores_equal(vals, ref_vals, **F32_TOL)
+
+
+@pytest.mark.parametrize("num_queries", [1, 4])
+def test_cached_topk_equals_reference(num_queries):
+    """A stacked cache [reps=2, F=2, B, Cap=41, I] read in place at (1, 0); 35 filled slots, key
+    block 16 (divides neither); decode (1 query) and a 4-query chunk."""
+    q, w, _ = _inputs(4, s=num_queries)
+    stack = jax.random.normal(jax.random.key(5), (2, 2, 2, 41, 16), jnp.float32)
+    length = jnp.asarray(35, jnp.int32)
+    q_pos = 35 + jnp.arange(num_queries, dtype=jnp.int32)
+    args = dict(scale=SCALE, query_block=4, key_block=16)
+    ref_vals, ref_idx = cached_topk(q, w, stack, (1, 0), q_pos, length, 8, **args)
+    vals, idx = cached_topk(q, w, stack, (1, 0), q_pos, length, 8, kernels="pallas", **args)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref_idx))
+    _assert_scores_equal(vals, ref_vals, **F32_TOL)
+    assert np.asarray(idx).max() < 35  # never an unwritten slot
+
+
+def test_select_merge_equals_sorting_merge_with_ties():
+    """The radix-select merge against lax.top_k merges over 4 blocks of scores drawn from a handful of
+    values (-inf, -0.0, +0.0, 1, 2: ties at every threshold, signed zeros) for k = 5 (kept as 8) and
+    k = 13 (a block of 24 padded to 32): same values and indices, in the reference's order."""
+    choices = jnp.array([-jnp.inf, -0.0, 0.0, 1.0, 2.0], jnp.float32)
+    blocks = jax.random.choice(jax.random.key(7), choices, (4, 2, 19, 24))  # [block, B, rows, kb]
+    for k in (5, 13):
+        ref = (jnp.full((2, 19, k), -jnp.inf), jnp.full((2, 19, k), INVALID, jnp.int32))
+        running = kernel_select.init_running(2, 19, kernel_select.next_pow2(k))
+        for j, scores in enumerate(blocks):
+            kidx = 24 * j + jnp.arange(24, dtype=jnp.int32)
+            vals = jnp.concatenate([ref[0], scores], axis=-1)
+            idxs = jnp.concatenate([ref[1], jnp.broadcast_to(kidx, scores.shape)], axis=-1)
+            best, pos = jax.lax.top_k(vals, k)
+            ref = (best, jnp.take_along_axis(idxs, pos, axis=-1))
+            running = kernel_select.merge_select(running, scores, kidx[0])
+        vals, idx = kernel_select.finish(running, k)
+        ref_idx = jnp.where(jnp.isneginf(ref[0]), INVALID, ref[1])
+        np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref_idx))
+        np.testing.assert_array_equal(np.signbit(np.asarray(vals)), np.signbit(np.asarray(ref[0])))
+        np.testing.assert_array_equal(np.asarray(vals), np.asarray(ref[0]))
+
+
+def test_ties_keep_lowest_key_index():
+    """Equal scores everywhere: the kernel path keeps the earliest keys, across key blocks too."""
+    q = jnp.ones((1, 12, 2, 4))
+    w = jnp.ones((1, 12, 2))
+    k = jnp.ones((1, 40, 4))
+    pos = jnp.arange(12, dtype=jnp.int32)
+    idx = np.asarray(streaming_topk(q, w, k, pos, jnp.arange(40, dtype=jnp.int32), 3, scale=1.0, query_block=5,
+                                    key_block=2, kernels="pallas"))
+    for qi in range(12):
+        visible = min(qi + 1, 3)
+        assert idx[0, qi].tolist() == list(range(visible)) + [INVALID] * (3 - visible)
+
+
+def test_model_topk_with_indexshare():
+    """Tiny model, 4 layers (IndexShare: layers 0, 1, 3 own an indexer, shared layer 2 reuses layer
+    1's top-k), float32: with kernels="pallas" every full layer's top-k equals the
+    reference's, and so do the hidden states (which the shared layers' reuse feeds)."""
+    cfg = tiny(num_hidden_layers=4, indexer_types=("full", "full", "shared", "full"))
+    ids = jax.random.randint(jax.random.key(6), (1, 40), 0, cfg.vocab_size)  # 40 tokens > index_topk 32
+    out = {}
+    for kernels in ("reference", "pallas"):
+        model = GlmMoeDsa(cfg, ModelOptions(param_dtype=jnp.float32, kernels=kernels), rngs=nnx.Rngs(0))
+        out[kernels] = model.hidden_states(ids, return_topk=True)
+    (h_ref, topk_ref), (h, topk) = out["reference"], out["pallas"]
+    full_layers = [i for i, kind in enumerate(cfg.indexer_types) if kind == "full"]
+    assert sorted(topk) == sorted(topk_ref) == full_layers
+    for layer in topk_ref:
+        np.testing.assert_array_equal(np.asarray(topk[layer]), np.asarray(topk_ref[layer]))
+    np.testing.assert_allclose(np.asarray(h), np.asarray(h_ref), rtol=1e-5, atol=1e-5)
