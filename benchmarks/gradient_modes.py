@@ -60,7 +60,7 @@ def measure(mode: str, prompt_len: int, response_len: int, group: int, cfg=None,
     args = (graphdef, lora, frozen, prompt, responses, mask, old, adv, prefix)
     kwargs = dict(mode="response_only" if mode == CACHED else mode, settings=gradients.LossSettings(), chunk=1024)
     start = time.perf_counter()
-    compiled = gradients._compute_jit.lower(*args, **kwargs).compile()
+    compiled = gradients.compute_gradients_jit.lower(*args, **kwargs).compile()
     compile_s = time.perf_counter() - start
     dyn = (lora, frozen, prompt, responses, mask, old, adv, prefix)
     extra = on_compiled() if on_compiled else {}

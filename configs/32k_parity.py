@@ -7,22 +7,13 @@ shared_prefix on one rollout group, no optimizer step.
 Same model and LoRA as configs/2m.py; native positions suffice for 32,768 + 16 tokens.
 """
 
-import importlib.util
-from pathlib import Path
-
-import ml_collections
+from glm52_jax import run_defaults
 
 
-def get_config() -> ml_collections.ConfigDict:
-    spec = importlib.util.spec_from_file_location("config_2m", Path(__file__).resolve().parent / "2m.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = module.get_config()
+def get_config():
+    c = run_defaults.glm52_release(run_defaults.get_config())
     c.name = "gradient_parity_32k"
-    c.model.rope_scaling_json = ""
+    c.mesh = "folded=32"  # as configs/2m.py (parity on a mesh: see BUILD_NOTES "Known gaps")
     c.data.prompt_tokens = 32_768
     c.sampling.chunk_size = 4_096
-    c.parity = ml_collections.ConfigDict()
-    c.parity.modes = ("conventional", "response_only", "shared_prefix")
-    c.parity.reference = "conventional"
     return c

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from glm52_jax import positions
+from glm52_jax.json_files import read_json
 
 MODEL_TYPE = "glm_moe_dsa"
 ARCHITECTURE = "GlmMoeDsaForCausalLM"
@@ -222,14 +223,7 @@ class ModelConfig:
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> ModelConfig:
-        try:
-            with open(path, encoding="utf-8") as f:
-                raw = json.load(f)
-        except FileNotFoundError:
-            raise ValueError(f"config file {str(path)!r} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"config file {str(path)!r} is not valid JSON: {e}") from None
-        return cls.from_hf_dict(raw)
+        return cls.from_hf_dict(read_json(path, "config"))
 
     def save_json(self, path: str | os.PathLike) -> None:
         """Writes `config.json` atomically."""
@@ -309,3 +303,6 @@ def tiny(**overrides) -> ModelConfig:
     )
     base.update(overrides)
     return ModelConfig(**base)
+
+
+PRESETS = {"tiny": tiny, "glm52": glm52}  # by name, as `model.preset` chooses (glm52_jax.choices.PRESETS)

@@ -40,6 +40,9 @@ def _ids(text: str, flag: str) -> list[int]:
 
 def main(argv):
     del argv
+    from glm52_jax.parallel.distributed import default_to_cpu_without_a_gpu
+
+    default_to_cpu_without_a_gpu()
     if not FLAGS.checkpoint:
         raise app.UsageError("--checkpoint is required")
     if (FLAGS.prompt is None) == (FLAGS.prompt_ids is None):

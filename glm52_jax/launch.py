@@ -1,25 +1,28 @@
-"""Entry point: online GRPO transactions from an ml_collections config (absl flags).
+"""Entry point: online GRPO runs from a config file and `--config.a.b=v` flags (absl + ml_collections).
 
     python -m glm52_jax.launch                                   # configs/tiny.py, laptop CPU
     python -m glm52_jax.launch --config=configs/tiny.py --workdir=/tmp/run \\
         --config.sampling.num_samples=4 --config.train.gradient_mode=shared_prefix
+    python -m glm52_jax.launch --workdir=/tmp/run --config.train.steps=3   # resume / extend, saved settings
     python -m glm52_jax.launch --mode=export --workdir=/tmp/run     # PEFT adapter + merged HF model
     python -m glm52_jax.launch --mode=forward --config.model.checkpoint=/ckpt/GLM-5.2   # smoke forward
 
-`--mode=train` runs `train.steps` transactions (rl/transaction.py); step k writes
-`WORKDIR/evidence/step_00000k/receipt.json` (check it with `python -m glm52_jax.evidence verify ...`),
-then an Orbax checkpoint `WORKDIR/checkpoints/k` (LoRA, AdamW state, RNG, data cursor); events go
-to `WORKDIR/metrics.jsonl`. Rerunning the command on the same workdir resumes after the last
-checkpoint (a larger `--config.train.steps` extends a finished run). `--mode=export` writes the
-run's latest checkpoint as a PEFT adapter and a merged HF checkpoint (rl/export.py; give the run's
-config flags). `--mode=forward` runs one forward of the configured model and prints its mean token
-log-prob.
+The config (every key: glm52_jax/run_defaults.py) becomes a validated `RunSpec` before anything is
+loaded. `--mode=train` runs `train.steps` transactions (rl/run.py); step k writes
+`WORKDIR/evidence/step_00000k/receipt.json`, then an Orbax checkpoint `WORKDIR/checkpoints/k`. The
+settings are saved in WORKDIR/config.json when a run starts: a rerun on the workdir resumes after
+the last checkpoint with them (flags given then must not change the run; `train.steps` may grow),
+and export reads them. Errors are one line (`--debug` shows the traceback); Ctrl-C stops at once
+and says what was kept.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,142 +30,227 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 ROOT = Path(__file__).resolve().parents[1]
+MODES = ("train", "plan", "export", "parity", "forward")
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", str(ROOT / "configs" / "tiny.py"), "ml_collections config file")
-flags.DEFINE_string("workdir", None, "run directory (default: runs/<config.name>_<UTC time>)")
-flags.DEFINE_enum("mode", "train", ["train", "plan", "export", "parity", "forward"],
-                  "train: run/resume train.steps GRPO transactions; plan: AOT-compile prefill, decode and the "
-                  "training step for the configured mesh from abstract inputs (memory, FLOPs, collectives); "
-                  "export: PEFT adapter + merged model from the run's latest checkpoint; parity: gradient modes "
-                  "compared on one rollout; forward: smoke forward")
+flags.DEFINE_string("workdir", None, "run directory (default: runs/<config.name>_<UTC time>); an existing run's "
+                    "directory resumes it with its saved settings")
+flags.DEFINE_enum("mode", "train", MODES,
+                  "train: run/resume train.steps GRPO transactions; plan: AOT-compile the run's programs for the "
+                  "configured mesh from abstract inputs (memory, FLOPs, collectives); export: PEFT adapter + merged "
+                  "model from the run's latest checkpoint; parity: gradient modes compared on one rollout; "
+                  "forward: smoke forward")
 flags.DEFINE_string("export_dir", None, "export mode: output directory (default WORKDIR/export/step_<k>)")
 flags.DEFINE_integer("export_step", None, "export mode: checkpoint step (default: the latest)")
 flags.DEFINE_integer("seq_len", 256, "forward mode: tokens per sequence", lower_bound=2)
+flags.DEFINE_bool("debug", False, "show tracebacks instead of one-line errors")
 
 
-def _forward(c) -> dict:
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _flag_error(error: Exception, argv: list[str]) -> str:
+    """One line for a flag or config-file failure: the absl message, or the unknown key's did-you-mean."""
+    from glm52_jax import run_defaults
+    from glm52_jax.run_config import flatten
+
+    known = list(flatten(run_defaults.get_config().to_dict()))
+    for arg in argv[1:]:
+        if arg.startswith("--config."):
+            key = arg[len("--config."):].partition("=")[0]
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=1)
+                return f"unknown config key {key}" + (f" (did you mean {close[0]}?)" if close else "")
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if "Failed loading config file" in str(error) or "Error whilst parsing config file" in str(error):
+        where = next((a.partition("=")[2] for a in argv if a.startswith("--config=")), "")
+        return f"--config={where}: the config file cannot be loaded ({lines[-1]})"  # the last line: the cause
+    return lines[0] if lines else type(error).__name__
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's parsing, with config-file and unknown-key failures as one line (exit 2) unless --debug."""
+    try:
+        # Defined here, not at import: config_flags applies the command line's overrides as soon as the
+        # flag is defined, and an unknown key would fail outside any handler.
+        config_flags.DEFINE_config_file("config", str(ROOT / "configs" / "tiny.py"),
+                                        "config file (every key: glm52_jax/run_defaults.py)", lock_config=True)
+        rest = FLAGS(argv)
+        FLAGS.config.to_dict()  # config_flags loads the file on first use: fail here, not later
+        return rest
+    except Exception as e:
+        if "--debug" in argv:
+            raise
+        print(f"error: {_flag_error(e, argv)}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _explicit_overrides() -> dict:
+    """The `--config.a.b=v` flags given on this command line."""
+    return {name[len("config."):]: FLAGS[name].value for name in FLAGS
+            if name.startswith("config.") and FLAGS[name].present}
+
+
+def _spec():
+    """The run's settings: the config file + flags, or on a workdir with saved settings those + the
+    flags given now (`--config=FILE` given again is compared whole)."""
+    from glm52_jax.run_config import RunSpec, check_rerun, load_saved_spec
+
+    given = RunSpec.from_dict(FLAGS.config.to_dict())
+    saved = load_saved_spec(FLAGS.workdir) if FLAGS.workdir and FLAGS.mode in ("train", "parity", "export") else None
+    if saved is None:
+        return given
+    spec = given if FLAGS["config"].present else saved.replace(**_explicit_overrides())
+    check_rerun(saved, spec, FLAGS.workdir)
+    return spec
+
+
+def _forward(spec) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
-    from glm52_jax.checkpoint.hf import load_pretrained
-    from glm52_jax.model.options import ModelOptions
-    from glm52_jax.model.transformer import GlmMoeDsa, token_logprobs
-    from glm52_jax.rl.transaction import check_config, rope_scaling
+    from glm52_jax.model.transformer import token_logprobs
+    from glm52_jax.rl.inputs import RunInputs, model_config
+    from glm52_jax.rl.policy import build_base
 
-    plan = check_config(c)
-    dtype = jnp.dtype(c.model.dtype)
-    if plan.checkpoint is None:
-        model = GlmMoeDsa(plan.model_cfg, ModelOptions(param_dtype=dtype), rngs=nnx.Rngs(c.seed))
-    else:
-        model = load_pretrained(plan.checkpoint, dtype=dtype, rope_scaling=rope_scaling(c)[0])
-    ids = np.random.default_rng(c.seed).integers(0, model.cfg.vocab_size, (1, FLAGS.seq_len))
+    cfg, scaling, _, _ = model_config(spec.model)
+    model = build_base(spec, RunInputs(spec, cfg, scaling, tokenizer=None, rows=[], first_prompts=[]))
+    ids = np.random.default_rng(spec.seed).integers(0, model.cfg.vocab_size, (1, FLAGS.seq_len))
     graphdef, state = nnx.split(model)
     start = time.perf_counter()
     logprobs = jax.jit(lambda s, x: token_logprobs(nnx.merge(graphdef, s), x))
     out = np.asarray(logprobs(state, jnp.asarray(ids, jnp.int32)))
     if not np.isfinite(out).all():
         raise SystemExit("non-finite log-probs")
-    return {"model": str(plan.checkpoint or f"random:{c.model.preset}"), "seq_len": FLAGS.seq_len,
-            "mean_token_logprob": float(out.mean()), "seconds_incl_compile": round(time.perf_counter() - start, 2)}
+    return {"model": spec.model.base_name, "seq_len": FLAGS.seq_len, "mean_token_logprob": float(out.mean()),
+            "seconds_incl_compile": round(time.perf_counter() - start, 2)}
 
 
-def _plan(c) -> dict:
+def _plan(spec) -> dict:
     """Plan mode: no weights, no data; the checkpoint's config.json if present, else `model.preset`."""
-    import jax.numpy as jnp
+    from glm52_jax.plan.planner import plan
+    from glm52_jax.plan.report import format_plan
+    from glm52_jax.rl.inputs import check_capacity, model_config
+    from glm52_jax.rl.settings import lora_config
 
-    from glm52_jax import config as config_lib
-    from glm52_jax.model.lora import LoRAConfig
-    from glm52_jax.plan import format_plan, plan
-    from glm52_jax.rl.transaction import EMBEDDED_POLICY, ConfigError, mesh_spec, rope_scaling
-
-    m, s = c.model, c.sampling
-    checkpoint = EMBEDDED_POLICY if m.checkpoint == "embedded" else Path(m.checkpoint)
-    if m.checkpoint != "random" and (checkpoint / "config.json").is_file():
-        cfg, source = config_lib.ModelConfig.from_json_file(checkpoint / "config.json"), str(checkpoint)
-    else:
-        presets = {"tiny": config_lib.tiny, "glm52": config_lib.glm52}
-        if m.preset not in presets:
-            raise ConfigError(f"model.preset must be one of {sorted(presets)}, got {m.preset!r}")
-        cfg, source = presets[m.preset](), f"preset:{m.preset}"
-    scaling, _ = rope_scaling(c)
-    if scaling is not None:
-        cfg = cfg.with_rope_scaling(scaling)
-    need = c.data.prompt_tokens + s.max_new_tokens
-    if need > cfg.max_position_embeddings:
-        raise ConfigError(f"data.prompt_tokens + sampling.max_new_tokens = {need} exceeds the position capacity "
-                          f"{cfg.max_position_embeddings}")
-    lora = LoRAConfig(rank=m.lora_rank, alpha=float(m.lora_alpha), families=frozenset(m.lora_families))
-    report = plan(cfg, mesh_spec(c), prompt_tokens=c.data.prompt_tokens, max_new_tokens=s.max_new_tokens,
-                  num_samples=s.num_samples, gradient_mode=c.train.gradient_mode, lora=lora,
-                  dtype=jnp.dtype(m.dtype), chunk_size=s.chunk_size,
-                  prefill_mode=s.get("prefill_mode", "chunked"), hbm_bytes=float(c.plan.hbm_gib) * 2**30,
-                  programs=tuple(c.plan.get("programs", ("prefill", "decode", "train"))),
-                  log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    cfg, _, scaling_source, source = model_config(spec.model, preset_without_checkpoint=True)
+    check_capacity(cfg, spec, scaling_source)
+    s = spec.sampling
+    report = plan(cfg, spec.mesh_spec(), prompt_tokens=spec.data.prompt_tokens, max_new_tokens=s.max_new_tokens,
+                  num_samples=s.num_samples, gradient_mode=spec.train.gradient_mode, lora=lora_config(spec.model),
+                  dtype=spec.model.jnp_dtype(), chunk_size=s.chunk_size, prefill_mode=s.prefill_mode,
+                  hbm_bytes=spec.plan.hbm_gib * 2**30, programs=spec.plan.programs, log=_log)
     report["model_source"] = source
-    print(format_plan(report), file=sys.stderr)
-    return report
+    _log(format_plan(report))
+    if FLAGS.workdir:
+        from glm52_jax.evidence.atomic import atomic_write_json
+
+        Path(FLAGS.workdir).mkdir(parents=True, exist_ok=True)
+        atomic_write_json(Path(FLAGS.workdir) / "plan.json", report, indent=1)
+    return {k: report[k] for k in ("fits", "largest_program", "largest_total_bytes", "hbm_bytes")} | \
+        {"mesh": report["mesh"]["describe"]}
+
+
+def _run_mode(spec, workdir: str | None) -> dict:
+    command = [sys.executable, "-m", "glm52_jax.launch", *sys.argv[1:]]
+    if FLAGS.mode == "forward":
+        return _forward(spec)
+    if FLAGS.mode == "plan":
+        return _plan(spec)
+    if FLAGS.mode == "export":
+        from glm52_jax.rl.export import export_run
+        from glm52_jax.run_config import ConfigError
+
+        if not workdir:
+            raise ConfigError("--mode=export needs --workdir (the run to export)")
+        record = export_run(spec, workdir, export_dir=FLAGS.export_dir, step=FLAGS.export_step)
+        return {k: record[k] for k in ("export_dir", "step", "base")}
+    if FLAGS.mode == "parity":
+        from glm52_jax.rl.parity import run_parity
+
+        return run_parity(spec, workdir, log=_log, command=command)
+    from glm52_jax.rl.run import run_online
+
+    summary = run_online(spec, workdir, log=_log, command=command)
+    return {"workdir": summary["workdir"], "status": summary["status"], "last_step": summary["last_step"],
+            "steps_run": summary["steps_run"], "receipts": [s["receipt"] for s in summary["steps"]],
+            "accepted": [s["accepted"] for s in summary["steps"]]}
+
+
+def _one_line(error: BaseException) -> str | None:
+    """The message of an expected failure (bad settings, another run's or a broken checkpoint)."""
+    from glm52_jax.checkpoint.train_state import CheckpointCorruptError, CheckpointMismatchError
+    from glm52_jax.evidence.receipt import EvidenceError
+    from glm52_jax.run_config import ConfigError
+
+    kinds = {ConfigError: "config error", CheckpointMismatchError: "resume error",
+             CheckpointCorruptError: "checkpoint error", EvidenceError: "evidence error"}
+    for kind, label in kinds.items():
+        if isinstance(error, kind):
+            return f"{label}: {error}"
+    return None
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from glm52_jax.checkpoint.train_state import CheckpointMismatchError
-    from glm52_jax.parallel import distributed
-    from glm52_jax.rl.transaction import ConfigError, run_online
-
-    c = FLAGS.config
     if FLAGS.verbosity <= 0:  # Orbax logs every file rename at INFO; keep the console to our progress lines
         logging.set_verbosity(logging.WARNING)
+    from glm52_jax import workdir as workdir_lib
+    from glm52_jax.parallel import distributed
+    from glm52_jax.run_config import ConfigError
+
+    distributed.default_to_cpu_without_a_gpu()
+    outcome: dict = {}
     try:
+        spec = _spec()  # every value checked, before JAX starts
         if FLAGS.mode == "plan":
-            from glm52_jax.plan import ensure_virtual_devices
-            from glm52_jax.rl.transaction import mesh_spec
+            from glm52_jax.plan.devices import ensure_virtual_devices
 
-            ensure_virtual_devices(mesh_spec(c).size)  # before JAX starts: virtual CPU devices for the mesh
-            report = _plan(c)
-            if FLAGS.workdir:
-                from glm52_jax.evidence.atomic import atomic_write_json
-
-                Path(FLAGS.workdir).mkdir(parents=True, exist_ok=True)
-                atomic_write_json(Path(FLAGS.workdir) / "plan.json", report, indent=1)
-            print(json.dumps({"fits": report["fits"], "largest_program": report["largest_program"],
-                              "largest_total_bytes": report["largest_total_bytes"], "hbm_bytes": report["hbm_bytes"],
-                              "mesh": report["mesh"]["describe"]}))
-            return
+            ensure_virtual_devices(spec.mesh_spec().size)  # before JAX starts: virtual CPU devices for the mesh
+        workdir = FLAGS.workdir
+        if workdir is None and FLAGS.mode in ("train", "parity"):
+            workdir = str(Path("runs") / f"{spec.name}_{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
     except ConfigError as e:
-        raise SystemExit(f"config error: {e}") from None
-    distributed.initialize()  # multi-host when GLM52_* or SLURM variables say so; else a no-op
+        if FLAGS.debug:
+            raise
+        sys.exit(f"config error: {e}")
+
+    def work():
+        try:
+            if FLAGS.mode != "plan":
+                distributed.initialize()  # multi-host when GLM52_* or SLURM variables say so; else a no-op
+            outcome["result"] = _run_mode(spec, workdir)
+        except BaseException as e:  # handed to the main thread, which reports it
+            outcome["error"] = e
+
+    # The work runs in a thread so that the main thread stays in Python and takes Ctrl-C at once, even
+    # while XLA compiles (a signal handler only runs between bytecodes of the main thread).
+    worker = threading.Thread(target=work, name="glm52-run", daemon=True)
+    worker.start()
     try:
-        if FLAGS.mode == "forward":
-            print(json.dumps(_forward(c)))
-            return
-        if FLAGS.mode == "export":
-            from glm52_jax.rl.export import export_run
+        while worker.is_alive():
+            worker.join(0.2)
+    except KeyboardInterrupt:
+        kept = (workdir_lib.kept_summary(workdir) if workdir and FLAGS.mode == "train" else
+                f"--mode={FLAGS.mode} did not finish; its receipt / export.json (written last) was not committed")
+        print(f"\ninterrupted: {kept}", file=sys.stderr, flush=True)
+        workdir_lib.release_held()
+        os._exit(130)  # evidence and checkpoints are written atomically: stopping mid-step loses nothing committed
+    error = outcome.get("error")
+    if error is not None:
+        message = None if FLAGS.debug else _one_line(error)
+        if message is None:
+            raise error
+        sys.exit(message)
+    print(json.dumps(outcome["result"]))
 
-            if not FLAGS.workdir:
-                raise ConfigError("--mode=export needs --workdir (the run to export)")
-            record = export_run(c, FLAGS.workdir, export_dir=FLAGS.export_dir, step=FLAGS.export_step)
-            print(json.dumps({k: record[k] for k in ("export_dir", "step", "base")}))
-            return
-        if FLAGS.mode == "parity":
-            from glm52_jax.rl.parity import run_parity
 
-            workdir = FLAGS.workdir or str(Path("runs") / f"{c.name}_{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
-            out = run_parity(c, workdir, log=lambda msg: print(msg, file=sys.stderr, flush=True))
-            print(json.dumps(out))
-            return
-        workdir = FLAGS.workdir or str(Path("runs") / f"{c.name}_{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
-        summary = run_online(c, workdir, log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    except ConfigError as e:
-        raise SystemExit(f"config error: {e}") from None
-    except CheckpointMismatchError as e:
-        raise SystemExit(f"resume error: {e}") from None
-    print(json.dumps({"workdir": summary["workdir"], "status": summary["status"], "last_step": summary["last_step"],
-                      "steps_run": summary["steps_run"], "receipts": [s["receipt"] for s in summary["steps"]],
-                      "accepted": [s["accepted"] for s in summary["steps"]]}))
+def run():
+    app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run()

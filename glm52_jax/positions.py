@@ -16,7 +16,6 @@ Axis letters: S sequence, R rotary pairs (rotary_dim / 2), D rotary dim.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import numbers
 import os
@@ -26,6 +25,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from glm52_jax.json_files import read_json
 
 ROPE_SCALING_ENV = "GLM52_ROPE_SCALING_JSON"
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
@@ -191,14 +192,7 @@ def parse_rope_scaling(payload: Mapping[str, Any], *, where: str = "rope scaling
 
 def load_rope_scaling(path: str | os.PathLike) -> RopeScaling:
     """Reads and validates a scaling JSON file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            payload = json.load(f)
-    except FileNotFoundError:
-        raise ValueError(f"rope scaling file {str(path)!r} does not exist") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"rope scaling file {str(path)!r} is not valid JSON: {e}") from None
-    return parse_rope_scaling(payload, where=str(path))
+    return parse_rope_scaling(read_json(path, "rope scaling"), where=str(path))
 
 
 def rope_scaling_from_env() -> RopeScaling | None:

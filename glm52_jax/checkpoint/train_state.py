@@ -14,13 +14,13 @@ mid-save leaves the previous step as the latest one (`latest_step` never returns
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -29,6 +29,10 @@ from glm52_jax.model.lora import LoRA
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint that does not belong to this run (other config, other adapter shapes)."""
+
+
+class CheckpointCorruptError(ValueError):
+    """A committed checkpoint step that cannot be read (truncated or edited files)."""
 
 
 @dataclasses.dataclass
@@ -87,7 +91,8 @@ class RunCheckpoints:
 
         A mismatch raises `CheckpointMismatchError`: the directory holds another run's state.
         """
-        meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        with self._readable(step):
+            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         wrong = {k: (meta.get(k), v) for k, v in expect.items() if meta.get(k) != v}
         if wrong:
             details = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in sorted(wrong.items()))
@@ -101,12 +106,13 @@ class RunCheckpoints:
         The adapters' and optimizer's current trees give the expected shapes and dtypes, so a
         checkpoint of other adapters fails in Orbax before anything is replaced.
         """
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            lora=ocp.args.StandardRestore(_abstract(_pure_lora(model))),
-            optimizer=ocp.args.StandardRestore(_abstract(optimizer.opt_state)),
-            rng=ocp.args.JaxRandomKeyRestore(),
-            meta=ocp.args.JsonRestore(),
-        ))
+        with self._readable(step):
+            restored = self._manager.restore(step, args=ocp.args.Composite(
+                lora=ocp.args.StandardRestore(_abstract(_pure_lora(model))),
+                optimizer=ocp.args.StandardRestore(_abstract(optimizer.opt_state)),
+                rng=ocp.args.JaxRandomKeyRestore(),
+                meta=ocp.args.JsonRestore(),
+            ))
         meta = restored["meta"]
         lora_state = nnx.state(model, LoRA)
         nnx.replace_by_pure_dict(lora_state, restored["lora"])
@@ -116,13 +122,28 @@ class RunCheckpoints:
         return RunState(step=int(meta["step"]), rng=restored["rng"], cursor=int(meta["cursor"]),
                         optimizer_steps=int(meta["optimizer_steps"]), meta=meta)
 
+    @contextlib.contextmanager
+    def _readable(self, step: int):
+        """Turns Orbax/TensorStore failures to read `step` into one `CheckpointCorruptError` line
+        that names the step and the previous committed one to fall back to."""
+        try:
+            yield
+        except (CheckpointMismatchError, KeyboardInterrupt):
+            raise
+        except Exception as e:  # Orbax raises ValueError, FileNotFoundError, TensorStore errors, ...
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            earlier = [s for s in self.all_steps() if s < step]
+            fallback = (f"move {self.directory / str(step)} aside (e.g. to {step}.corrupt) to resume from step "
+                        f"{earlier[-1]}" if earlier else "no earlier step exists; use a fresh workdir")
+            raise CheckpointCorruptError(f"checkpoint step {step} in {self.directory} cannot be read "
+                                         f"({type(e).__name__}: {first}); {fallback}") from e
+
     def close(self) -> None:
         self._manager.close()
 
 
 def lora_digest(model: nnx.Module) -> dict[str, str]:
     """Per-array sha256 of the adapters (to compare a restored model with the saved one)."""
-    import hashlib
+    from glm52_jax.evidence.hashing import array_digests
 
-    return {"/".join(map(str, k)): hashlib.sha256(np.ascontiguousarray(jax.device_get(v.get_value())).tobytes())
-            .hexdigest() for k, v in nnx.to_flat_state(nnx.state(model, LoRA))}
+    return {name: d["sha256"] for name, d in array_digests(nnx.state(model, LoRA)).items()}

@@ -30,6 +30,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from glm52_jax.evidence.atomic import atomic_write_bytes, atomic_write_json
+from glm52_jax.evidence.hashing import sha256_file
 from glm52_jax.evidence.provenance import canonical_sha256, check_json, collect_provenance
 
 __all__ = ["ARTIFACTS_DIR", "NONDETERMINISTIC_KEY", "RECEIPT_NAME", "RESERVED_KEYS", "SCHEMA", "VERSION",
@@ -65,14 +66,6 @@ def _name_problem(name: Any) -> str | None:
     if any(p in ("", ".") for p in parts):
         return "must not contain empty or '.' components"
     return None
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _read_chunks(path: Path) -> Iterator[bytes]:
@@ -356,7 +349,7 @@ def _check_artifact(run_dir: Path, entry: Mapping[str, Any]) -> str | None:
     size = file.stat().st_size
     if size != entry["bytes"]:
         return f"artifact size mismatch: {path} has {size} bytes, manifest says {entry['bytes']}"
-    sha = _sha256_file(file)
+    sha = sha256_file(file)
     if sha != entry["sha256"]:
         return f"artifact sha256 mismatch: {path} hashes to {sha}, manifest says {entry['sha256']}"
     return None

@@ -31,12 +31,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from glm52_jax.choices import GRADIENT_MODES
 from glm52_jax.model.kv_cache import KVCache
 from glm52_jax.model.lora import LoRA
 from glm52_jax.model.transformer import target_logprobs
 from glm52_jax.rl import grpo
 
-MODES = ("conventional", "response_only", "shared_prefix")
+MODES = GRADIENT_MODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,9 +173,9 @@ def _conventional(graphdef, lora, frozen, prompt, batch, settings, norm, chunk, 
 
 def _response_only(graphdef, lora, frozen, prompt, batch, settings, norm, chunk, prefix):
     if prefix is None:  # one program with its own prefill (`lora_gradients` prefills separately)
-        prefix = _prefill_state(graphdef, lora, frozen, prompt,
-                                capacity=prefix_capacity(_max_positions(graphdef, lora, frozen), prompt.shape[0],
-                                                         batch[0].shape[1]))
+        prefix = prefill_split(graphdef, lora, frozen, prompt,
+                               capacity=prefix_capacity(_max_positions(graphdef, lora, frozen), prompt.shape[0],
+                                                        batch[0].shape[1]))
     cache = jax.lax.stop_gradient(prefix)  # a constant: no gradient through the prefix
 
     def logprobs(lora, response):
@@ -208,7 +209,17 @@ def _shared_prefix(graphdef, lora, frozen, prompt, batch, settings, norm, chunk,
 _MODE_FNS = {"conventional": _conventional, "response_only": _response_only, "shared_prefix": _shared_prefix}
 
 
-def _compute(graphdef, lora, frozen, prompt, responses, mask, old, adv, prefix, *, mode, settings, chunk):
+def compute_gradients(graphdef: nnx.GraphDef, lora: nnx.State, frozen: nnx.State, prompt: jax.Array,
+                      responses: jax.Array, mask: jax.Array, old: jax.Array, adv: jax.Array, prefix: KVCache | None,
+                      *, mode: str, settings: LossSettings, chunk: int):
+    """The traced core of `lora_gradients` (what it jits; plan mode compiles it), on the split model.
+
+    graphdef, lora, frozen: `split_lora(model)`. prompt: [P] int32; responses: [G,R] int32;
+    mask: [G,R] response mask; old: [G,R] float32 old log-probs; adv: [G] float32 advantages;
+    prefix: response_only: the batch-1 cache holding prompt[:-1] (None: prefilled inside), else None.
+    mode: one of `MODES`; settings, chunk: static (loss settings, positions per logits chunk).
+    Returns (LoRA grads shaped like `lora`, sample losses [G], new log-probs [G,R], batch metrics).
+    """
     norm = _normalisers(mask, settings)
     grads, losses, logps = _MODE_FNS[mode](graphdef, lora, frozen, prompt, (responses, mask, old, adv), settings,
                                            norm, chunk, prefix)
@@ -219,7 +230,7 @@ def _compute(graphdef, lora, frozen, prompt, responses, mask, old, adv, prefix, 
     return grads, losses, logps, metrics
 
 
-_compute_jit = jax.jit(_compute, static_argnames=("graphdef", "mode", "settings", "chunk"))
+compute_gradients_jit = jax.jit(compute_gradients, static_argnames=("graphdef", "mode", "settings", "chunk"))
 
 
 CAPACITY_MULTIPLE = 256
@@ -237,13 +248,16 @@ def prefix_capacity(max_positions: int, prompt_len: int, response_len: int) -> i
     return max(need, min(rounded, max_positions))
 
 
-def _prefill_state(graphdef, lora, frozen, prompt, *, capacity):
+def prefill_split(graphdef: nnx.GraphDef, lora: nnx.State, frozen: nnx.State, prompt: jax.Array, *,
+                  capacity: int) -> KVCache:
+    """`prefill` of the model given split as `split_lora` returns it: prompt [P] -> the batch-1 cache
+    of `capacity` slots holding prompt[:-1] (response_only's prefix)."""
     return prefill(nnx.merge(graphdef, lora, frozen), prompt, capacity)
 
 
 # A separate program, so response_only compiles the same gradient program with or without a
 # caller-supplied prefix cache.
-_prefill_jit = jax.jit(_prefill_state, static_argnames=("graphdef", "capacity"))
+prefill_split_jit = jax.jit(prefill_split, static_argnames=("graphdef", "capacity"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -309,8 +323,8 @@ def lora_gradients(model: nnx.Module, prompt, responses, response_mask, old_logp
     graphdef, lora, frozen = split_lora(model)
     if mode == "response_only" and prefix_cache is None:
         capacity = prefix_capacity(model.cfg.max_position_embeddings, prompt.shape[0], responses.shape[1])
-        prefix_cache = (_prefill_jit if jit else _prefill_state)(graphdef, lora, frozen, prompt, capacity=capacity)
-    fn = _compute_jit if jit else _compute
+        prefix_cache = (prefill_split_jit if jit else prefill_split)(graphdef, lora, frozen, prompt, capacity=capacity)
+    fn = compute_gradients_jit if jit else compute_gradients
     grads, losses, logps, metrics = fn(graphdef, lora, frozen, prompt, responses, mask, old, adv, prefix_cache,
                                        mode=mode, settings=loss, chunk=logprob_chunk)
     return GradientResult(grads=grads, loss=jnp.sum(losses), sample_losses=losses, logprobs=logps, metrics=metrics)

@@ -28,6 +28,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from glm52_jax import choices
+
 __all__ = [
     "LOSS_AGG_MODES",
     "KL_KINDS",
@@ -39,12 +41,7 @@ __all__ = [
     "grpo_loss",
 ]
 
-LOSS_AGG_MODES = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
+LOSS_AGG_MODES = choices.LOSS_AGG_MODES
 # Base kinds; any of them may carry a "+" suffix (straight-through k2 gradient), like verl.
 KL_KINDS = ("k1", "kl", "k2", "mse", "abs", "k3", "low_var_kl")
 
@@ -449,13 +446,11 @@ def grpo_loss(
     kl_kind: str = "low_var_kl",
     entropy: jax.Array | None = None,
     entropy_coef: float | jax.Array = 0.0,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.28,
-    clip_ratio_c: float | None = 3.0,
     loss_agg_mode: str = "token-mean",
     norm_constant: float | jax.Array | None = None,
     num_tokens: float | jax.Array | None = None,
     num_seqs: float | jax.Array | None = None,
+    **clip: float | None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Total GRPO/DAPO actor loss, as verl's actor composes it::
 
@@ -464,8 +459,10 @@ def grpo_loss(
     Every term uses the same ``loss_agg_mode`` (and denominators) over ``mask``.
 
     Args:
-      logp_new, logp_old, advantages, mask, clip_*, loss_agg_mode, norm_constant, num_tokens,
-        num_seqs: as ``policy_loss``.
+      logp_new, logp_old, advantages, mask, loss_agg_mode, norm_constant, num_tokens, num_seqs: as
+        ``policy_loss``.
+      clip: ``policy_loss``'s ``clip_ratio_low`` / ``clip_ratio_high`` / ``clip_ratio_c`` (its defaults
+        when not given).
       ref_logp: [N,T] reference-policy log-probs; the KL term is computed iff it is given.
       kl_coef, kl_kind: coefficient and ``kl_penalty`` kind (verl default ``low_var_kl``).
       entropy: [N,T] per-token entropy (e.g. ``entropy_from_logits(logits)``, computed by the
@@ -489,10 +486,8 @@ def grpo_loss(
         logp_old,
         advantages,
         mask,
-        clip_ratio_low=clip_ratio_low,
-        clip_ratio_high=clip_ratio_high,
-        clip_ratio_c=clip_ratio_c,
         loss_agg_mode=loss_agg_mode,
+        **clip,
         **agg_kw,
     )
     if entropy is not None:

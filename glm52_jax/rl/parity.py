@@ -12,14 +12,19 @@ artifacts) and returns the comparison.
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from glm52_jax.rl.transaction import ConfigError, _state_bytes, build_policy, check_config, mesh_spec, search_group
+from glm52_jax.evidence.hashing import state_sha256
+from glm52_jax.rl import settings
+from glm52_jax.rl.inputs import resolve
+from glm52_jax.rl.policy import build_policy
+from glm52_jax.rl.search import candidate_seeds, response_batch, search_group
+from glm52_jax.run_config import ConfigError, RunSpec
+from glm52_jax.workdir import claim
 
 
 def family_vectors(grads, model) -> dict[str, np.ndarray]:
@@ -48,53 +53,46 @@ def compare(a: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> dict[str, d
     return out
 
 
-def run_parity(c, workdir: str | Path, *, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Runs the parity check for config `c`; writes `workdir/evidence/parity/receipt.json`."""
-    workdir = Path(workdir)
-    p = c.parity
-    modes = tuple(p.modes)
-    bad = sorted(set(modes) - {"conventional", "response_only", "shared_prefix"})
-    if bad or p.reference not in modes:
-        raise ConfigError(f"parity.modes {modes} must be gradient modes and include parity.reference {p.reference!r}")
-    plan = check_config(c)
-    if mesh_spec(c).size > 1:
-        raise ConfigError(f"mesh={c.mesh!r}: parity runs on one device so far")
+def run_parity(spec: RunSpec, workdir: str | Path, *, log: Callable[[str], None] = print,
+               command: Sequence[str] = ()) -> dict[str, Any]:
+    """Runs the parity check for `spec`; writes `workdir/evidence/parity/receipt.json`."""
+    if spec.mesh_spec().size > 1:
+        raise ConfigError(f"--config.mesh={spec.mesh}: parity runs on one device so far")
+    inputs = resolve(spec)
+    with claim(spec, workdir, command) as workdir:
+        return _parity(inputs, workdir, log)
+
+
+def _parity(inputs, workdir: Path, log) -> dict[str, Any]:
     import jax
-    import jax.numpy as jnp
 
-    from glm52_jax.evidence import EvidenceWriter, config_hash
-    from glm52_jax.rl import grpo
-    from glm52_jax.rl.gradients import LossSettings, lora_gradients
-    from glm52_jax.rollout.sampler import Sampler
+    from glm52_jax.evidence import EvidenceWriter
+    from glm52_jax.rl.gradients import lora_gradients
 
+    spec = inputs.spec
+    modes, reference = spec.parity.modes, spec.parity.reference
     writer = EvidenceWriter(workdir / "evidence" / "parity")  # refuses an existing receipt first
-    model, _ = build_policy(c, plan)
-    s, t = c.sampling, c.train
-    sampler = Sampler(model, chunk_size=s.chunk_size, prefix_cache_bytes=int(s.prefix_cache_mib) << 20,
-                      progress=lambda *a: None, prefill_mode=s.get("prefill_mode", "chunked"))
-    seeds = [int(x) for x in np.asarray(jax.random.randint(jax.random.split(jax.random.key(c.seed))[1],
-                                                           (c.search.max_candidates,), 0, 2**31 - 1))]
-    candidates, accepted = search_group(c, plan, 1, c.data.first_row, seeds, sampler, lambda *a, **k: None, log)
+    model, _ = build_policy(spec, inputs)
+    sampler = settings.sampler(spec.sampling, model)
+    seeds = candidate_seeds(jax.random.split(jax.random.key(spec.seed))[1], spec.search.max_candidates)
+    candidates, accepted = search_group(inputs, spec.data.first_row, seeds, sampler, step=1,
+                                        event=lambda *a, **k: None, log=log)
     if accepted is None:
-        raise ConfigError(f"parity: no mixed-reward group within search.max_candidates={c.search.max_candidates}")
-    i, row, prompt, res, rewards = accepted
-    g, n = s.num_samples, s.max_new_tokens
-    mask = (np.arange(n)[None, :] < res.lengths[:, None]).astype(np.float32)
-    responses = np.where(mask > 0, res.tokens, model.cfg.pad_token_id or 0).astype(np.int32)
-    advantages = np.asarray(grpo.group_advantages(jnp.asarray(rewards, jnp.float32), group_size=g))
-    settings = LossSettings(clip_ratio_low=float(t.clip_ratio_low), clip_ratio_high=float(t.clip_ratio_high),
-                            loss_agg_mode=t.loss_agg_mode)
+        raise ConfigError(f"parity: no mixed-reward group within --config.search.max_candidates="
+                          f"{spec.search.max_candidates}")
+    res, prompt, n = accepted.result, accepted.prompt, spec.sampling.max_new_tokens
+    responses, mask, advantages = response_batch(accepted, model.cfg.pad_token_id or 0, n)
     results, vectors = {}, {}
     for mode in modes:
         prefix = None
         if mode == "response_only":  # the sampler's prompt KV, as the transaction uses it
             prefix, _, _ = sampler.prefill(prompt, sampler.capacity_for(len(prompt), n))
         out = lora_gradients(model, np.asarray(prompt, np.int32), responses, mask, res.logprobs, advantages,
-                             mode=mode, loss=settings, prefix_cache=prefix)
+                             mode=mode, loss=settings.loss_settings(spec.train), prefix_cache=prefix)
         results[mode] = out
         vectors[mode] = family_vectors(out.grads, model)
         log(f"parity: {mode} loss {float(out.loss):.6g}")
-    ref = results[p.reference]
+    ref = results[reference]
     comparison = {}
     for mode in modes:
         out = results[mode]
@@ -102,19 +100,20 @@ def run_parity(c, workdir: str | Path, *, log: Callable[[str], None] = print) ->
         comparison[mode] = {
             "loss": float(out.loss), "loss_abs_diff": abs(float(out.loss) - float(ref.loss)),
             "logprob_max_abs_diff": float(logp_diff.max()),
-            "grads_sha256": hashlib.sha256(_state_bytes(out.grads)).hexdigest(),
-            "families": compare(vectors[mode], vectors[p.reference]),
+            "grads_sha256": state_sha256(out.grads),
+            "families": compare(vectors[mode], vectors[reference]),
         }
     for name, array in {"prompt_token_ids.npy": np.asarray(prompt, np.int32), "responses.npy": responses,
                         "response_mask.npy": mask, "old_logprobs.npy": res.logprobs}.items():
         writer.add_array(name, array, kind="fixture")
     writer.add_json("candidates.json", candidates, kind="rewards")
     receipt = writer.commit({
-        "parity": {"reference": p.reference, "modes": list(modes), "optimizer_steps": 0, "comparison": comparison},
-        "fixture": {"row": row.index, "candidate": i, "rewards": rewards, "prompt_tokens": len(prompt),
-                    "response_tokens": int(mask.sum()), "num_samples": g},
-        "config": {"name": c.name, "sha256": config_hash(c.to_dict())},
-        "model": {"checkpoint": str(plan.checkpoint or f"random:{c.model.preset}"), "dtype": c.model.dtype},
+        "parity": {"reference": reference, "modes": list(modes), "optimizer_steps": 0, "comparison": comparison},
+        "fixture": {"row": accepted.row.index, "candidate": accepted.index, "rewards": accepted.rewards,
+                    "prompt_tokens": len(prompt), "response_tokens": int(mask.sum()),
+                    "num_samples": spec.sampling.num_samples},
+        "config": {"name": spec.name, "sha256": spec.config_sha256()},
+        "model": {"checkpoint": spec.model.base_name, "dtype": spec.model.dtype},
     })
     log(f"parity receipt: {receipt}")
     return {"receipt": str(receipt), "comparison": comparison}

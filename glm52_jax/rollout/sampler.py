@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from glm52_jax import choices
 from glm52_jax.model.kv_cache import KVCache, broadcast_batch
 from glm52_jax.model.transformer import GlmMoeDsa
 from glm52_jax.rollout.cache import PrefixCache, fit_capacity
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 # model, G=2: ~50 -> ~25 ms per decode step). A DebugOptions field, ignored by other backends.
 CACHE_COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 
-PREFILL_MODES = ("chunked", "whole")
+PREFILL_MODES = choices.PREFILL_MODES
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 PAD_TOKEN = -1
@@ -111,9 +112,31 @@ def _truncate(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
     return logits
 
 
-def _decode(model: GlmMoeDsa, cache: KVCache, h_last: jax.Array, keys: jax.Array, forced: jax.Array | None, *,
-            steps: int, temperature: float, top_k: int, top_p: float, stop_ids: tuple[int, ...]):
-    """`steps` decode steps for G rows. h_last: [G,D] hidden of the last prompt token; keys: [G]."""
+def prefill_chunk(model: GlmMoeDsa, ids: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """One chunked-prefill call (`Sampler` jits it): `forward_cached` of ids [1,S] after the
+    cache's `length` tokens. Returns (hidden states [1,S,D], the cache with the S slots written)."""
+    return model.forward_cached(ids, cache)
+
+
+def prefill_whole(model: GlmMoeDsa, ids: jax.Array, capacity: int) -> tuple[jax.Array, KVCache]:
+    """The whole-prompt prefill (`prefill_mode="whole"`): `model.prefill` of ids [1,P], the uncached
+    (context-parallel under a sequence-sharded mesh) forward that also emits the cache. Returns
+    (hidden state of the last prompt token [1,D], the batch-1 cache of `capacity` slots holding P)."""
+    h, cache = model.prefill(ids, capacity)
+    return h[:, -1], cache
+
+
+def decode_steps(model: GlmMoeDsa, cache: KVCache, h_last: jax.Array, keys: jax.Array, forced: jax.Array | None,
+                 *, steps: int, temperature: float, top_k: int, top_p: float,
+                 stop_ids: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """`steps` (= N) decode steps for G rows in one `lax.scan` (`Sampler` jits it).
+
+    Each step: logits of the current hidden state, a token (sampled at `temperature` after top-k /
+    top-p truncation, greedy at 0, or `forced`), its old log-prob, then one `forward_cached` token.
+    cache: G-row cache holding the prompt; h_last: [G,D] hidden state of the last prompt token;
+    keys: [G] PRNG keys (step t folds in t); forced: [G,N] int32 ids to feed instead of sampling, or None.
+    Returns (tokens [G,N] int32, PAD_TOKEN after a row's stop token; log-probs [G,N] float32, 0 there).
+    """
     stop = jnp.asarray(stop_ids if stop_ids else (-2,), jnp.int32)
 
     def step(carry, t):
@@ -161,18 +184,17 @@ class Sampler:
         self.graphdef, self.state = nnx.split(model)
         self.prefill_calls = 0  # chunks computed (not reused); lets tests and benchmarks see cache hits
 
-        def prefill_chunk(state, ids, cache):
-            return nnx.merge(self.graphdef, state).forward_cached(ids, cache)
+        def chunk(state, ids, cache):
+            return prefill_chunk(nnx.merge(self.graphdef, state), ids, cache)
 
-        def prefill_whole(state, ids, capacity):
-            h, cache = nnx.merge(self.graphdef, state).prefill(ids, capacity)
-            return h[:, -1], cache
+        def whole(state, ids, capacity):
+            return prefill_whole(nnx.merge(self.graphdef, state), ids, capacity)
 
         def decode(state, cache, h_last, keys, forced, **kw):
-            return _decode(nnx.merge(self.graphdef, state), cache, h_last, keys, forced, **kw)
+            return decode_steps(nnx.merge(self.graphdef, state), cache, h_last, keys, forced, **kw)
 
-        self._prefill_chunk = jax.jit(prefill_chunk, compiler_options=CACHE_COMPILER_OPTIONS)
-        self._prefill_whole = jax.jit(prefill_whole, static_argnames=("capacity",))
+        self._prefill_chunk = jax.jit(chunk, compiler_options=CACHE_COMPILER_OPTIONS)
+        self._prefill_whole = jax.jit(whole, static_argnames=("capacity",))
         self._decode = jax.jit(decode, static_argnames=("steps", "temperature", "top_k", "top_p", "stop_ids"),
                                compiler_options=CACHE_COMPILER_OPTIONS)
 

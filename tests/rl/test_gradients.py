@@ -14,7 +14,7 @@ from glm52_jax import config
 from glm52_jax.model.lora import FAMILIES, LoRA, LoRAConfig
 from glm52_jax.model.transformer import GlmMoeDsa
 from glm52_jax.rl import grpo
-from glm52_jax.rl.gradients import MODES, LossSettings, _normalisers, lora_gradients, sample_loss
+from glm52_jax.rl.gradients import MODES, LossSettings, _normalisers, lora_gradients, prefix_capacity, sample_loss
 
 OPTS = glm52_jax.ModelOptions(param_dtype=jnp.float32, indexer_query_block=16, indexer_key_block=16,
                               attention_query_block=8, lora=LoRAConfig(rank=4, alpha=8.0))
@@ -146,10 +146,14 @@ def test_prompt_runs_once_in_shared_prefix(runs):
 
 def test_response_only_with_the_samplers_prefix_cache(model, batch, runs):
     out, _, old = runs
-    # As a sampler leaves it: the whole prompt prefilled (length P > P-1, the last slot gets rewritten).
+    # As a sampler leaves it: the whole prompt prefilled (length P > P-1, the last slot gets rewritten),
+    # in a cache of the capacity response_only's own prefill uses (256 slots, as the sampler's), so
+    # the gradient program compiled for `runs` is reused.
     graphdef, state = nnx.split(model)
     prefill = jax.jit(lambda s, ids, c: nnx.merge(graphdef, s).forward_cached(ids, c)[1])
-    cache = prefill(state, jnp.asarray(batch["prompt"])[None], model.init_cache(1, P - 1 + R))
+    capacity = prefix_capacity(CFG.max_position_embeddings, P, R)
+    assert capacity >= P - 1 + R
+    cache = prefill(state, jnp.asarray(batch["prompt"])[None], model.init_cache(1, capacity))
     assert int(cache.length) == P
     given = lora_gradients(model, **batch, old_logprobs=old, mode="response_only", prefix_cache=cache,
                            logprob_chunk=CHUNK)

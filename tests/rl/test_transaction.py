@@ -1,6 +1,14 @@
-"""The online GRPO transaction end to end: real model, sampler, reward, update, receipt, verify."""
+"""The online GRPO transaction end to end: real model, sampler, reward, update, receipt, verify.
+
+The CLI half runs the README's quick-start commands as written (paths moved to a temp dir): the
+first is killed during step 2's update (after a second process was refused its lock), the second
+resumes from the saved settings, then verify and export.
+"""
 
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -10,37 +18,24 @@ import numpy as np
 import pytest
 
 from glm52_jax.evidence import deterministic_view, verify
-from glm52_jax.rl.transaction import EMBEDDED_POLICY, ConfigError, check_config, run_online
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _config(**overrides):
-    sys.path.insert(0, str(ROOT / "configs"))
-    try:
-        import tiny
-    finally:
-        sys.path.pop(0)
-    c = tiny.get_config()
-    for key, value in {**OVERRIDES, **overrides}.items():
-        node = c
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return c
+from glm52_jax.rl.inputs import resolve
+from glm52_jax.rl.run import prefill_progress, run_online
+from glm52_jax.run_config import EMBEDDED_POLICY, ConfigError
+from tests.run_helpers import ROOT, config_spec, readme_commands
 
 
-OVERRIDES = {"sampling.max_new_tokens": 24, "sampling.chunk_size": 256}
+def _spec(**overrides):
+    return config_spec("tiny", **overrides)
 
 
-def _cli(workdir, *overrides):
-    return [sys.executable, "-m", "glm52_jax.launch", f"--config={ROOT / 'configs' / 'tiny.py'}",
-            f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in {**OVERRIDES, **dict(overrides)}.items()]
+def _argv(command: list[str], workdir: Path) -> list[str]:
+    """A README command with /tmp/run moved to `workdir`, run by this interpreter."""
+    args = [a.replace("/tmp/run", str(workdir)) for a in command]
+    return [sys.executable, *args[1:]]
 
 
-def _kill_when(proc, metrics: Path, event: dict, timeout: float = 900):
-    """SIGKILLs `proc` as soon as `metrics` (JSONL) holds a record containing `event`."""
+def _wait_for(proc, metrics: Path, event: dict, timeout: float = 900):
+    """Returns as soon as `metrics` (JSONL) holds a record containing `event`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -49,8 +44,6 @@ def _kill_when(proc, metrics: Path, event: dict, timeout: float = 900):
             for line in metrics.read_text().splitlines():
                 record = json.loads(line)
                 if all(record.get(k) == v for k, v in event.items()):
-                    proc.kill()
-                    proc.wait()
                     return
         time.sleep(0.05)
     proc.kill()
@@ -59,21 +52,34 @@ def _kill_when(proc, metrics: Path, event: dict, timeout: float = 900):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Two transactions of the embedded policy, twice: in this process without interruption, and via
-    the CLI killed during step 2's update and then resumed by rerunning the same command."""
+    """Two transactions of the embedded policy in this process without interruption, and the README's
+    quick-start commands: run (killed during step 2's update), resume to step 3, verify, export."""
     first = tmp_path_factory.mktemp("run_inproc")
-    summary = run_online(_config(**{"train.steps": 2}), first, log=lambda msg: None)
-    second = tmp_path_factory.mktemp("run_cli") / "w"
-    proc = subprocess.Popen(_cli(second, ("train.steps", 2)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    summary = run_online(_spec(**{"train.steps": 2}), first, log=lambda msg: None)
+    commands = readme_commands("## Quick start")
+    assert [c[:3] for c in commands] == [["python", "-m", "glm52_jax.launch"]] * 2 + \
+        [["python", "-m", "glm52_jax.evidence"], ["python", "-m", "glm52_jax.launch"]], commands
+    second = tmp_path_factory.mktemp("run_cli") / "run"
+    proc = subprocess.Popen(_argv(commands[0], second), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=ROOT)
-    _kill_when(proc, second / "metrics.jsonl", {"event": "update_start", "step": 2})
+    _wait_for(proc, second / "metrics.jsonl", {"event": "loaded"})
+    start = time.monotonic()
+    refused = subprocess.run(_argv(commands[0], second), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    refused_seconds = time.monotonic() - start
+    _wait_for(proc, second / "metrics.jsonl", {"event": "update_start", "step": 2})
+    proc.kill()
+    proc.wait()
     killed = {"checkpoints": sorted(p.name for p in (second / "checkpoints").iterdir()),
               "evidence": sorted(p.name for p in (second / "evidence").iterdir()),
-              "step2_receipt": (second / "evidence" / "step_000002" / "receipt.json").exists()}
-    cli = subprocess.run(_cli(second, ("train.steps", 2)), capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert cli.returncode == 0, cli.stderr[-3000:]
-    cli_summary = json.loads(cli.stdout.strip().splitlines()[-1])
-    return {"inproc": (first, summary), "cli": (second, cli_summary), "killed": killed, "cli_stderr": cli.stderr}
+              "step2_receipt": (second / "evidence" / "step_000002" / "receipt.json").exists(),
+              "lock_left": (second / ".lock").exists(), "pid": proc.pid}
+    out = {}
+    for name, command in zip(("resume", "verify", "export"), commands[1:]):
+        done = subprocess.run(_argv(command, second), capture_output=True, text=True, timeout=900, cwd=ROOT)
+        assert done.returncode == 0, (name, done.stderr[-3000:])
+        out[name] = done
+    return {"inproc": (first, summary), "cli": second, "killed": killed, "refused": refused,
+            "refused_seconds": refused_seconds, **out}
 
 
 def _receipt(workdir, step):
@@ -118,26 +124,41 @@ def test_kill_during_update_leaves_last_checkpoint_and_no_receipt(runs):
     killed = runs["killed"]
     assert killed["checkpoints"] == ["1"], killed  # step 2 never committed
     assert not killed["step2_receipt"]
-    assert verify(_receipt(runs["cli"][0], 1)) == []
+    assert killed["lock_left"]  # SIGKILL leaves the lock; the resume takes it over (its pid is gone)
+
+
+def test_a_second_process_on_a_locked_workdir_is_refused(runs):
+    refused = runs["refused"]
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 1 and len(lines) == 1, refused.stderr
+    assert lines[0].startswith("config error: ") and f"in use by pid {runs['killed']['pid']}" in lines[0], lines
+    assert runs["refused_seconds"] < 30  # refused before any model work
 
 
 def test_resumed_run_continues_identically(runs):
     """Step 1 from the killed process and step 2 from the resumed one equal an uninterrupted run:
-    tokens, rewards, loss, gradient and LoRA hashes (the deterministic view)."""
-    (a, _), (b, cli_summary) = runs["inproc"], runs["cli"]
-    assert cli_summary["steps_run"] == 1 and cli_summary["last_step"] == 2, cli_summary
-    assert "resumed from checkpoint step 1" in runs["cli_stderr"]
+    tokens, rewards, loss, gradient and LoRA hashes (the deterministic view). The resume command
+    names no config: the saved settings are used, with the step count it raises."""
+    a, b = runs["inproc"][0], runs["cli"]
+    summary = json.loads(runs["resume"].stdout.strip().splitlines()[-1])
+    assert summary["steps_run"] == 2 and summary["last_step"] == 3, summary
+    assert "resumed from checkpoint step 1" in runs["resume"].stderr
     for step in (1, 2):
         assert verify(_receipt(b, step)) == []
-        assert deterministic_view(_receipt(a, step)) == deterministic_view(_receipt(b, step)), step
+        va, vb = deterministic_view(_receipt(a, step)), deterministic_view(_receipt(b, step))
+        if step == 2:  # the resumed process ran step 2 under train.steps=3: the same run, a longer plan
+            assert (va["config"].pop("sha256"), vb["config"].pop("sha256")) == (
+                _spec(**{"train.steps": 2}).config_sha256(), _spec(**{"train.steps": 3}).config_sha256())
+        assert va == vb, step
     # The killed step's partial evidence was set aside, not deleted or overwritten.
     aside = b / "evidence" / "step_000002.uncommitted-1"
     assert aside.is_dir() and not (aside / "receipt.json").exists()
+    saved = json.loads((b / "config.json").read_text())
+    assert saved["config"]["train"]["steps"] == 3 and "--config.train.steps=3" in saved["command"]
+    assert not (b / ".lock").exists()
 
 
 def test_any_changed_byte_fails_verify_naming_the_artifact(runs, tmp_path):
-    import shutil
-
     src = _receipt(runs["inproc"][0], 1).parent
     receipt = json.loads((src / "receipt.json").read_text())
     for entry in receipt["manifest"]:
@@ -154,58 +175,65 @@ def test_any_changed_byte_fails_verify_naming_the_artifact(runs, tmp_path):
 def test_finished_run_is_left_as_it_is(runs):
     workdir, _ = runs["inproc"]
     before = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
-    summary = run_online(_config(**{"train.steps": 2}), workdir, log=lambda msg: None)
+    summary = run_online(_spec(**{"train.steps": 2}), workdir, log=lambda msg: None)
     assert summary["status"] == "complete" and summary["steps_run"] == 0
     assert {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()} == before
 
 
-def test_resume_refuses_another_runs_checkpoints(runs):
-    """A different config (here the learning rate) must not continue from these checkpoints."""
+def test_rerun_with_other_settings_lists_them(runs, tmp_path):
+    """A rerun may raise train.steps; any other change is refused, naming each key with its saved and
+    new value, before anything is written. Without the saved settings (config.json removed), the
+    checkpoint's config hash still refuses it."""
     from glm52_jax.checkpoint.train_state import CheckpointMismatchError
 
     workdir, _ = runs["inproc"]
+    with pytest.raises(ConfigError, match=r"train\.learning_rate: saved 0\.0001, now 0\.5; "
+                                          r"train\.max_grad_norm: saved 1\.0, now 2\.0\)\. Only train\.steps"):
+        run_online(_spec(**{"train.steps": 3, "train.learning_rate": 0.5, "train.max_grad_norm": 2.0}), workdir,
+                   log=lambda msg: None)
+    assert not _receipt(workdir, 3).parent.exists() and not (workdir / ".lock").exists()
+    copy = tmp_path / "w"
+    shutil.copytree(workdir, copy)
+    (copy / "config.json").unlink()
     with pytest.raises(CheckpointMismatchError, match="another run"):
-        run_online(_config(**{"train.steps": 3, "train.learning_rate": 0.5}), workdir, log=lambda msg: None)
-    assert not _receipt(workdir, 3).parent.exists()
+        run_online(_spec(**{"train.steps": 3, "train.learning_rate": 0.5}), copy, log=lambda msg: None)
+
+
+def test_corrupt_latest_checkpoint_is_one_line_naming_the_fallback(runs, tmp_path):
+    copy = tmp_path / "w"
+    shutil.copytree(runs["inproc"][0], copy)
+    for f in (copy / "checkpoints" / "2" / "lora").rglob("*"):
+        if f.is_file() and f.stat().st_size > 0:
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    done = subprocess.run([sys.executable, "-m", "glm52_jax.launch", f"--workdir={copy}", "--config.train.steps=3"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    lines = [line for line in done.stderr.strip().splitlines() if not line.startswith(("W", "I"))]
+    assert done.returncode == 1 and lines[-1].startswith("checkpoint error: checkpoint step 2 in "), done.stderr
+    assert "to resume from step 1" in lines[-1] and "Traceback" not in done.stderr, done.stderr
+    assert not _receipt(copy, 3).parent.exists()
 
 
 @pytest.mark.parametrize("key,value,match", [
-    ("train.gradient_mode", "fast", "gradient_mode"),
-    ("sampling.num_samples", 1, "num_samples"),
-    ("search.max_candidates", 0, "max_candidates"),
-    ("model.lora_families", ("attention", "lm_head"), "lora_families"),
     ("model.checkpoint", "/nonexistent/ckpt", "no config.json"),
     ("data.prompt_tokens", 65536, "position capacity"),
     ("data.prompt_tokens", 20, "prompt_tokens"),
-    ("train.steps", 0, "train.steps"),
 ])
-def test_bad_config_fails_before_any_model_work(key, value, match):
+def test_files_that_cannot_run_fail_before_any_model_work(key, value, match):
     with pytest.raises(ConfigError, match=match):
-        check_config(_config(**{key: value}))
+        resolve(_spec(**{key: value}))
 
 
 def test_embedded_policy_ships_with_the_package():
     assert (EMBEDDED_POLICY / "config.json").is_file() and (EMBEDDED_POLICY / "model.safetensors").is_file()
 
 
-def test_cli_reports_config_errors_before_writing(tmp_path):
-    bad = subprocess.run([sys.executable, "-m", "glm52_jax.launch", f"--config={ROOT / 'configs' / 'tiny.py'}",
-                          "--config.train.gradient_mode=fast", f"--workdir={tmp_path / 'bad'}"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert bad.returncode != 0 and "gradient_mode" in bad.stderr
-    assert not (tmp_path / "bad").exists()  # nothing written
-
-
 def test_cli_receipt_verifies_with_the_evidence_cli(runs):
-    receipt = runs["cli"][1]["receipts"][-1]
-    check = subprocess.run([sys.executable, "-m", "glm52_jax.evidence", "verify", receipt],
-                           capture_output=True, text=True, timeout=120)
-    assert check.returncode == 0 and check.stdout.startswith("OK"), check.stdout + check.stderr
+    assert runs["verify"].stdout.startswith("OK"), runs["verify"].stdout + runs["verify"].stderr
 
 
-def test_export_of_the_latest_checkpoint(runs, tmp_path):
-    """PEFT adapter and merged model from checkpoint 2: the merged HF checkpoint reproduces the
-    LoRA policy's log-probs, and the adapter holds the checkpoint's LoRA arrays."""
+def test_export_from_the_saved_settings(runs):
+    """The README's export (no flags but the workdir): PEFT adapter and merged model from checkpoint 3;
+    the merged HF checkpoint reproduces the LoRA policy's log-probs."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -214,25 +242,24 @@ def test_export_of_the_latest_checkpoint(runs, tmp_path):
     from glm52_jax.checkpoint.hf import load_pretrained
     from glm52_jax.checkpoint.train_state import RunCheckpoints
     from glm52_jax.model.transformer import token_logprobs
-    from glm52_jax.rl.export import export_run
-    from glm52_jax.rl.transaction import build_policy
+    from glm52_jax.rl.policy import build_policy
 
-    workdir, _ = runs["inproc"]
-    c = _config(**{"train.steps": 2})
-    record = export_run(c, workdir, export_dir=tmp_path / "exp")
-    assert record["step"] == 2
-    out = tmp_path / "exp"
+    workdir = runs["cli"]
+    record = json.loads(runs["export"].stdout.strip().splitlines()[-1])
+    out = Path(record["export_dir"])
+    assert record["step"] == 3 and out == workdir / "export" / "step_3"
     manifest = json.loads((out / "export.json").read_text())
     assert {f["path"] for f in manifest["files"]} >= {"peft/adapter_model.safetensors", "peft/adapter_config.json",
                                                        "merged/config.json"}
+    spec = _spec(**{"train.steps": 3})
     adapter_cfg = json.loads((out / "peft" / "adapter_config.json").read_text())
-    assert adapter_cfg["r"] == c.model.lora_rank and adapter_cfg["lora_alpha"] == c.model.lora_alpha
+    assert adapter_cfg["r"] == spec.model.lora_rank and adapter_cfg["lora_alpha"] == spec.model.lora_alpha
     lora_tensors = load_file(out / "peft" / "adapter_model.safetensors")
     assert lora_tensors and any(np.abs(v).max() > 0 for k, v in lora_tensors.items() if "lora_B" in k)
 
-    policy, optimizer = build_policy(c, check_config(c))
+    policy, optimizer = build_policy(spec, resolve(spec, data=False))
     ckpts = RunCheckpoints(workdir / "checkpoints")
-    ckpts.restore(2, policy, optimizer)
+    ckpts.restore(3, policy, optimizer)
     ckpts.close()
     merged = load_pretrained(out / "merged", dtype=jnp.float32)
     ids = jnp.asarray(np.random.default_rng(0).integers(7, policy.cfg.vocab_size, (1, 48)), jnp.int32)
@@ -245,7 +272,29 @@ def test_export_refuses_a_directory_without_a_run(tmp_path):
     from glm52_jax.rl.export import export_run
 
     with pytest.raises(ConfigError, match="no checkpoints"):
-        export_run(_config(), tmp_path)
+        export_run(_spec(), tmp_path)
+
+
+def test_ctrl_c_stops_at_once_and_says_what_was_kept(tmp_path):
+    """SIGINT while the first programs compile: the process exits within seconds (not after the
+    compile), exit 130, one line saying nothing was committed; the lock is released."""
+    workdir = tmp_path / "w"
+    # An empty compile cache of its own: the signal lands in a real compile (the case that used to wait for
+    # the compile to end), not in whatever step the session's warm cache had reached.
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla_cache"))
+    proc = subprocess.Popen([sys.executable, "-m", "glm52_jax.launch", f"--workdir={workdir}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    _wait_for(proc, workdir / "metrics.jsonl", {"event": "loaded"})
+    time.sleep(1.0)  # inside the sampler's first compile
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert time.monotonic() - start < 5, err
+    lines = [line for line in err.strip().splitlines() if line.startswith("interrupted")]
+    assert proc.returncode == 130 and lines == [f"interrupted: {workdir} has no committed step; the next launch "
+                                                "starts from step 1"], err
+    assert "Traceback" not in err and not (workdir / ".lock").exists()
+    assert os.path.exists(workdir / "config.json")
 
 
 def _payload(tmp_path, name, theta=10000.0, factor=2.0, original=65536, max_pos=131072):
@@ -260,15 +309,15 @@ def test_rope_scaling_payload_extends_the_position_capacity(tmp_path, monkeypatc
     monkeypatch.delenv("GLM52_ROPE_SCALING_JSON", raising=False)
     long = {"data.prompt_tokens": 65536, "search.max_candidates": 1}
     with pytest.raises(ConfigError, match="no rope scaling"):
-        check_config(_config(**long))
-    plan = check_config(_config(**long, **{"model.rope_scaling_json": _payload(tmp_path, "yarn.json")}))
-    assert plan.model_cfg.max_position_embeddings == 131072 and plan.model_cfg.rope.rope_type == "yarn"
-    assert len(plan.prompts[0]) == 65536
+        resolve(_spec(**long))
+    inputs = resolve(_spec(**long, **{"model.rope_scaling_json": _payload(tmp_path, "yarn.json")}))
+    assert inputs.model_cfg.max_position_embeddings == 131072 and inputs.model_cfg.rope.rope_type == "yarn"
+    assert len(inputs.first_prompts[0]) == 65536
     # The environment variable is the seed's switch and works the same way.
     monkeypatch.setenv("GLM52_ROPE_SCALING_JSON", _payload(tmp_path, "env.json"))
-    assert check_config(_config(**long)).model_cfg.max_position_embeddings == 131072
+    assert resolve(_spec(**long)).model_cfg.max_position_embeddings == 131072
     with pytest.raises(ConfigError, match="different"):
-        check_config(_config(**{"model.rope_scaling_json": _payload(tmp_path, "other.json", factor=4.0)}))
+        resolve(_spec(**{"model.rope_scaling_json": _payload(tmp_path, "other.json", factor=4.0)}))
 
 
 @pytest.mark.parametrize("payload,match", [
@@ -279,44 +328,31 @@ def test_bad_rope_scaling_payload(tmp_path, monkeypatch, payload, match):
     monkeypatch.delenv("GLM52_ROPE_SCALING_JSON", raising=False)
     path = str(tmp_path / "missing.json") if payload is None else _payload(tmp_path, "bad.json", **payload)
     with pytest.raises(ConfigError, match=match):
-        check_config(_config(**{"model.rope_scaling_json": path}))
-
-
-def _load_config(name):
-    import importlib.util
-
-    from ml_collections import config_flags  # noqa: F401  (the configs are plain modules)
-
-    spec = importlib.util.spec_from_file_location(f"cfg_{name}", ROOT / "configs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+        resolve(_spec(**{"model.rope_scaling_json": path}))
 
 
 def test_2m_config_is_the_seeds_run(monkeypatch):
     """configs/2m.py: GLM-5.2 architecture, exact 2,097,152-token prompts with the YaRN payload,
     16 new tokens, G = 2, rank-8 LoRA, <= 8 candidates, the TP1/CP32/EP32/PP1 mesh."""
-    from glm52_jax.rl.transaction import mesh_spec
-
     monkeypatch.delenv("GLM52_ROPE_SCALING_JSON", raising=False)
-    c = _load_config("2m")
+    spec = config_spec("2m")
     with pytest.raises(ConfigError, match="no config.json"):  # the checkpoint must be given per machine
-        check_config(c)
-    c.model.checkpoint = "random"  # the preset architecture stands in for the release
-    plan = check_config(c)
-    assert plan.model_cfg.num_hidden_layers == 78 and plan.model_cfg.max_position_embeddings == 2_097_168
-    assert plan.model_cfg.rope.rope_type == "yarn" and plan.model_cfg.indexer_types.count("full") == 21
-    assert [len(p) for p in plan.prompts] == [2_097_152] * 8
-    assert (c.sampling.max_new_tokens, c.sampling.num_samples, c.model.lora_rank) == (16, 2, 8)
-    assert mesh_spec(c).describe() == "DP1/TP1/CP32/EP32/PP1"
-    c.data.prompt_tokens = 2_097_153  # one more token than the payload's capacity allows
-    with pytest.raises(ConfigError, match="position capacity"):
-        check_config(c)
+        resolve(spec)
+    spec = spec.replace(**{"model.checkpoint": "random"})  # the preset architecture stands in for the release
+    inputs = resolve(spec)
+    cfg = inputs.model_cfg
+    assert cfg.num_hidden_layers == 78 and cfg.max_position_embeddings == 2_097_168
+    assert cfg.rope.rope_type == "yarn" and cfg.indexer_types.count("full") == 21
+    assert [len(p) for p in inputs.first_prompts] == [2_097_152] * 8
+    assert (spec.sampling.max_new_tokens, spec.sampling.num_samples, spec.model.lora_rank) == (16, 2, 8)
+    assert spec.mesh_spec().describe() == "DP1/TP1/CP32/EP32/PP1"
+    with pytest.raises(ConfigError, match="position capacity"):  # one more token than the payload allows
+        resolve(spec.replace(**{"data.prompt_tokens": 2_097_153}))
 
 
 def test_train_mode_refuses_a_mesh_larger_than_the_devices(tmp_path):
     with pytest.raises(ConfigError, match="needs 16 devices.*xla_force_host_platform_device_count=16"):
-        run_online(_config(**{"mesh": "context=16"}), tmp_path / "w", log=lambda msg: None)
+        run_online(_spec(**{"mesh": "context=16"}), tmp_path / "w", log=lambda msg: None)
     assert not (tmp_path / "w").exists()
 
 
@@ -324,7 +360,7 @@ def test_sharded_transaction_matches_one_device(runs, tmp_path):
     """Step 1 on context 4 x expert 2 (8 devices) vs the single-device run: same candidates, tokens
     and rewards, log-probs / loss / gradient norm within float32 tolerance, adapters sharded."""
     lines = []
-    summary = run_online(_config(**{"mesh": "context=4,expert=2"}), tmp_path / "w", log=lines.append)
+    summary = run_online(_spec(**{"mesh": "context=4,expert=2"}), tmp_path / "w", log=lines.append)
     assert summary["status"] == "updated", summary
     assert any(line.startswith("mesh DP1/TP1/CP4/EP2/PP1 over 8") for line in lines), lines
     one, sharded = _receipt(runs["inproc"][0], 1), _receipt(tmp_path / "w", 1)
@@ -345,16 +381,14 @@ def test_sharded_transaction_matches_one_device(runs, tmp_path):
 
 
 def test_prefill_progress_reaches_the_console_for_long_prompts():
-    from glm52_jax.rl.transaction import _prefill_progress
-
     events, lines = [], []
-    progress = _prefill_progress(lambda kind, **kw: events.append((kind, kw)), lines.append, chunk_size=100)
+    progress = prefill_progress(lambda kind, **kw: events.append((kind, kw)), lines.append, chunk_size=100)
     for done in range(100, 2001, 100):  # 20 chunks
         progress(done, 2000, 1000.0, (2000 - done) / 1000)
     assert len(events) == 20 and events[-1] == ("prefill", {"done": 2000, "total": 2000, "tokens_per_s": 1000.0})
     assert len(lines) == 11 and lines[-1].startswith("prefill 2,000/2,000 tokens (100%)")
     short = []
-    quiet = _prefill_progress(lambda kind, **kw: None, short.append, chunk_size=100)
+    quiet = prefill_progress(lambda kind, **kw: None, short.append, chunk_size=100)
     for done in (100, 200, 256):  # 3 chunks: no console lines
         quiet(done, 256, 1000.0, 0.0)
     assert short == []
@@ -365,6 +399,6 @@ def test_broken_data_rows_fail_before_any_model_work(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps(good) + "\n" + '{"data_source": "x", "prompt": [}\n')
     with pytest.raises(ConfigError, match="line 2"):
-        check_config(_config(**{"data.path": str(path)}))
+        resolve(_spec(**{"data.path": str(path)}))
     with pytest.raises(ConfigError, match="no DAPO data file"):
-        check_config(_config(**{"data.path": str(tmp_path / "missing.jsonl")}))
+        resolve(_spec(**{"data.path": str(tmp_path / "missing.jsonl")}))

@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from lora_utils import fast_rngs
 
 import glm52_jax
 from glm52_jax import config
@@ -15,20 +16,18 @@ from glm52_jax.rl.update import AdamWConfig, LoRAOptimizer, NonFiniteGradientErr
 
 OPTS = glm52_jax.ModelOptions(param_dtype=jnp.float32, indexer_query_block=16, indexer_key_block=16,
                               attention_query_block=8, lora=LoRAConfig(rank=4, alpha=8.0))
-CFG = config.tiny(num_hidden_layers=4, indexer_types=("full", "full", "shared", "shared"))
-P, G, R = 24, 2, 4
+# Dense + full indexer, then MoE + shared indexer (every LoRA family). Model, options and batch shapes are
+# those of tests/parallel/multiprocess_worker.training_problem, whose one-device reference step compiles
+# the same shared_prefix gradient program: one compile serves both files.
+CFG = config.tiny(num_hidden_layers=2, indexer_types=("full", "shared"))
+P, G, R = 45, 2, 6
 ADAMW = AdamWConfig(learning_rate=1e-3, weight_decay=0.01, max_grad_norm=1.0)
 
-
-
-def _rngs():
-    """rbg keys: their random draws compile fast on XLA:CPU (eager init compiles every op once)."""
-    return nnx.Rngs(jax.random.key(0, impl="rbg"), lora=jax.random.key(1, impl="rbg"))
 
 @pytest.fixture(scope="module")
 def fresh():
     """A freshly initialised LoRA model (B = 0); tests take clones, since updates mutate."""
-    return GlmMoeDsa(CFG, OPTS, rngs=_rngs())
+    return GlmMoeDsa(CFG, OPTS, rngs=fast_rngs())
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +35,8 @@ def batch():
     rng = np.random.default_rng(0)
     mask = np.ones((G, R), np.float32)
     mask[0, 3:] = 0
-    return dict(prompt=rng.integers(0, 512, P), responses=rng.integers(0, 512, (G, R)), response_mask=mask,
+    return dict(prompt=rng.integers(0, 512, P).astype(np.int32),
+                responses=rng.integers(0, 512, (G, R)).astype(np.int32), response_mask=mask,
                 old_logprobs=rng.normal(-6.3, 0.2, (G, R)).astype(np.float32),
                 advantages=np.array([0.7, -0.7], np.float32))
 

@@ -1,0 +1,16 @@
+"""The names a run config may choose from, in one place (no JAX: the run spec validates with them).
+
+The modules that implement each choice import their tuple from here, so a new mode is added once.
+"""
+
+from __future__ import annotations
+
+GRADIENT_MODES = ("conventional", "response_only", "shared_prefix")  # rl/gradients.py
+PREFILL_MODES = ("chunked", "whole")  # rollout/sampler.py
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # rl/grpo.py
+LORA_FAMILIES = ("attention", "routed_experts", "shared_expert", "dense_mlp", "unembed")  # model/lora.py
+KERNELS = ("auto", "reference", "pallas")  # model/options.py: auto = pallas on GPU, reference elsewhere
+DTYPES = ("float32", "bfloat16")  # parameter (and activation) dtype of the base model
+PRESETS = ("tiny", "glm52")  # config.py architectures for `model.checkpoint="random"` and plan mode
+CHECKPOINT_KEYWORDS = ("embedded", "random")  # model.checkpoint besides a directory path
+PLAN_PROGRAMS = ("prefill", "forward", "decode", "train")  # plan/: programs plan mode can compile

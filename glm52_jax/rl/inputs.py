@@ -1,0 +1,144 @@
+"""What a run reads before it builds a model: architecture, positions, tokenizer, rows, exact-N prompts.
+
+`resolve(spec)` does every check that needs files but no model (the checkpoint's config.json, the
+YaRN payload, the position capacity, the data rows, each first-transaction candidate's exact-N
+prompt), so a run that cannot work fails in seconds with a `ConfigError` naming the setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from glm52_jax.run_config import ConfigError, ModelSpec, RunSpec
+
+
+def rope_scaling(model: ModelSpec):
+    """The position-extension payload to apply: (RopeScaling | None, where it came from).
+
+    `model.rope_scaling_json` (a file) or `$GLM52_ROPE_SCALING_JSON`; native positions when neither
+    is set. Both set to different files is ambiguous and refused.
+    """
+    from glm52_jax import positions
+
+    env = os.environ.get(positions.ROPE_SCALING_ENV, "")
+    path = model.rope_scaling_json
+    if path and env and Path(path).resolve() != Path(env).resolve():
+        raise ConfigError(f"--config.model.rope_scaling_json={path} and ${positions.ROPE_SCALING_ENV}={env} name "
+                          "different payloads; set one")
+    if not (path or env):
+        return None, ""
+    source = f"--config.model.rope_scaling_json={path}" if path else f"${positions.ROPE_SCALING_ENV}={env}"
+    try:
+        return positions.load_rope_scaling(path or env), source
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def model_config(model: ModelSpec, *, preset_without_checkpoint: bool = False):
+    """(ModelConfig with the rope scaling applied, RopeScaling | None, scaling source, where the config came from).
+
+    The checkpoint's config.json; the preset for `checkpoint="random"`, or (plan mode,
+    `preset_without_checkpoint`) when the checkpoint is not on this machine.
+    """
+    from glm52_jax import config as config_lib
+
+    path = model.checkpoint_path
+    if path is not None and (path / "config.json").is_file():
+        cfg, source = config_lib.ModelConfig.from_json_file(path / "config.json"), str(path)
+    elif path is None or preset_without_checkpoint:
+        cfg, source = config_lib.PRESETS[model.preset](), f"preset:{model.preset}"
+    else:
+        raise ConfigError(f"--config.model.checkpoint={model.checkpoint}: no config.json in {str(path)!r} "
+                          "(expected an HF checkpoint directory)")
+    scaling, scaling_source = rope_scaling(model)
+    if scaling is not None:
+        try:
+            cfg = cfg.with_rope_scaling(scaling)
+        except ValueError as e:
+            raise ConfigError(f"{scaling_source}: {e}") from None
+    return cfg, scaling, scaling_source, source
+
+
+def check_capacity(model_cfg, spec: RunSpec, scaling_source: str) -> None:
+    """Prompt + new tokens must fit the positions the model (with its rope scaling) has."""
+    limit = model_cfg.max_position_embeddings
+    need = spec.data.prompt_tokens + spec.sampling.max_new_tokens
+    if need > limit:
+        how = (f" (with the rope scaling of {scaling_source})" if scaling_source
+               else " (no rope scaling: set --config.model.rope_scaling_json or GLM52_ROPE_SCALING_JSON)")
+        raise ConfigError(f"--config.data.prompt_tokens={spec.data.prompt_tokens} + --config.sampling.max_new_tokens="
+                          f"{spec.sampling.max_new_tokens} = {need} exceeds the position capacity "
+                          f"max_position_embeddings={limit}{how}")
+
+
+def tokenizer_for(model: ModelSpec):
+    """`model.tokenizer` (a tokenizer.json or its directory); "" = the checkpoint's tokenizer.json when
+    it ships one (a real release), else the project's tiny tokenizer (embedded policy, random init)."""
+    from glm52_jax.rollout.tokenizer import Tokenizer
+
+    source, path = model.tokenizer, model.checkpoint_path
+    if not source and path is not None and (path / "tokenizer.json").is_file():
+        source = str(path)
+    if not source:
+        return Tokenizer.default()
+    try:
+        return Tokenizer(source)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"--config.model.tokenizer={model.tokenizer}: {e}") from None
+
+
+@dataclasses.dataclass
+class RunInputs:
+    """What `resolve` found: the model's architecture and the candidate prompts."""
+
+    spec: RunSpec
+    model_cfg: Any  # ModelConfig, rope scaling applied
+    rope_scaling: Any  # positions.RopeScaling | None
+    tokenizer: Any  # rollout.tokenizer.Tokenizer
+    rows: list  # every DapoRow; transaction k reads on from its data cursor
+    first_prompts: list[list[int]]  # exact-N ids of the first transaction's candidates (checked)
+
+    def candidate(self, cursor: int, i: int) -> tuple[Any, list[int]]:
+        """Row and exact-N prompt of candidate `i` at data position `cursor` (wrapping around the rows)."""
+        from glm52_jax.rl.prompts import build_exact_prompt
+
+        if cursor == self.spec.data.first_row and i < len(self.first_prompts):
+            return self.rows[(cursor + i) % len(self.rows)], self.first_prompts[i]
+        row = self.rows[(cursor + i) % len(self.rows)]
+        try:
+            return row, build_exact_prompt(self.tokenizer, row, self.spec.data.prompt_tokens)
+        except ValueError as e:
+            raise ConfigError(f"--config.data.prompt_tokens={self.spec.data.prompt_tokens}: row {row.index}: {e}") \
+                from None
+
+
+def resolve(spec: RunSpec, *, data: bool = True) -> RunInputs:
+    """Checks the files a run needs and resolves them (no model is built). `data=False`: model only."""
+    from glm52_jax.rl.data import load_rows
+    from glm52_jax.rl.prompts import build_exact_prompt
+
+    model_cfg, scaling, scaling_source, _ = model_config(spec.model)
+    check_capacity(model_cfg, spec, scaling_source)
+    if not data:
+        return RunInputs(spec, model_cfg, scaling, None, [], [])
+    try:
+        rows = load_rows(spec.data.path or None, dedupe=spec.data.dedupe)
+    except (ValueError, FileNotFoundError, ImportError) as e:  # broken rows name their file and line
+        raise ConfigError(f"--config.data.path={spec.data.path}: {e}") from None
+    if not rows:
+        raise ConfigError(f"--config.data.path={spec.data.path}: no rows")
+    tok = tokenizer_for(spec.model)
+    prompts = []
+    for i in range(spec.search.max_candidates):
+        row = rows[(spec.data.first_row + i) % len(rows)]
+        try:
+            prompts.append(build_exact_prompt(tok, row, spec.data.prompt_tokens))
+        except ValueError as e:
+            raise ConfigError(f"--config.data.prompt_tokens={spec.data.prompt_tokens}: {e}") from None
+    if max(max(p) for p in prompts) >= model_cfg.vocab_size:
+        raise ConfigError(f"the tokenizer's ids exceed the model's vocab_size {model_cfg.vocab_size} "
+                          f"(--config.model.tokenizer={spec.model.tokenizer})")
+    return RunInputs(spec, model_cfg, scaling, tok, rows, prompts)

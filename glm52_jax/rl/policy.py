@@ -1,0 +1,59 @@
+"""The policy a run trains: base model (checkpoint or seeded init) + LoRA adapters + AdamW, on its mesh."""
+
+from __future__ import annotations
+
+from glm52_jax.rl import settings
+from glm52_jax.rl.inputs import RunInputs
+from glm52_jax.run_config import ConfigError, RunSpec
+
+
+def build_base(spec: RunSpec, inputs: RunInputs, mesh=None, *, options=None):
+    """The frozen base model: the checkpoint read slice by slice (per device under `mesh`), or for
+    `checkpoint="random"` a seeded init of the preset. `options` (ModelOptions) default to the spec's."""
+    from flax import nnx
+
+    from glm52_jax.checkpoint.hf import load_pretrained
+    from glm52_jax.model.transformer import GlmMoeDsa
+
+    options = options or settings.model_options(spec.model)
+    path = spec.model.checkpoint_path
+    if path is None:
+        base = GlmMoeDsa(inputs.model_cfg, options, rngs=nnx.Rngs(spec.seed))
+    else:
+        base = load_pretrained(path, dtype=options.param_dtype, shardings=mesh, rope_scaling=inputs.rope_scaling,
+                               options=options)
+    if base.cfg != inputs.model_cfg:
+        raise AssertionError("the loaded model's config differs from the resolved one")  # a bug, not bad input
+    return base
+
+
+def build_policy(spec: RunSpec, inputs: RunInputs, mesh=None):
+    """(model with fresh LoRA adapters, its LoRAOptimizer). With a `mesh` (and its rules table
+    active) every weight, adapter and optimizer moment is sharded by its logical axes."""
+    from glm52_jax.model.lora import attach_lora
+    from glm52_jax.parallel.placement import place_model
+    from glm52_jax.rl.update import LoRAOptimizer
+
+    model = attach_lora(build_base(spec, inputs, mesh), settings.lora_config(spec.model), seed=spec.seed)
+    if mesh is not None:
+        model = place_model(model, mesh)  # the adapters (and a seeded base); placed weights stay put
+    return model, LoRAOptimizer(model, settings.adamw(spec.train))
+
+
+def train_mesh(spec: RunSpec):
+    """(MeshSpec, Mesh) for the run, or (spec, None) on one device; a mesh this process cannot build
+    is a config error (before any model work)."""
+    import jax
+
+    mesh_spec = spec.mesh_spec()
+    if mesh_spec.size == 1:
+        return mesh_spec, None
+    if jax.process_count() > 1:
+        raise ConfigError(f"--config.mesh={spec.mesh}: train mode runs in one process so far (multi-host "
+                          "sampling, evidence and checkpoints are not wired yet); --mode=plan compiles the programs "
+                          "for this mesh")
+    if jax.device_count() < mesh_spec.size:
+        raise ConfigError(f"--config.mesh={spec.mesh} needs {mesh_spec.size} devices, this process has "
+                          f"{jax.device_count()} ({jax.devices()[0].platform}); on CPU set "
+                          f"XLA_FLAGS=--xla_force_host_platform_device_count={mesh_spec.size}")
+    return mesh_spec, mesh_spec.make(jax.devices()[:mesh_spec.size])

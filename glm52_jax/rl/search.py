@@ -1,0 +1,77 @@
+"""Bounded candidate search: G samples per exact-N prompt, DAPO rewards, stop at the first mixed group."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from glm52_jax.rl.inputs import RunInputs
+from glm52_jax.rl.settings import sampling_params
+
+
+@dataclasses.dataclass
+class Accepted:
+    """The first candidate whose G rewards differ: what the update trains on."""
+
+    index: int  # candidate number within the search
+    row: Any  # DapoRow
+    prompt: list[int]  # [P] exact-N prompt ids
+    result: Any  # rollout.sampler.SampleResult: tokens [G,R], lengths [G], logprobs [G,R], ...
+    rewards: list[float]  # [G]
+
+
+def candidate_seeds(step_key, count: int) -> list[int]:
+    """Per-candidate sampling seeds drawn from the run's RNG (saved in every checkpoint)."""
+    import jax
+
+    return [int(x) for x in np.asarray(jax.random.randint(step_key, (count,), 0, 2**31 - 1))]
+
+
+def search_group(inputs: RunInputs, cursor: int, seeds: list[int], sampler, *, step: int,
+                 event: Callable[..., None], log: Callable[[str], None]) -> tuple[list[dict], Accepted | None]:
+    """Samples candidates (rows from data position `cursor`) until a group's rewards differ.
+
+    Returns (one record per candidate tried, the accepted group or None). Timings go to `event`
+    only: the receipt's other sections must reproduce bit for bit.
+    """
+    from glm52_jax.rl.rewards.dapo import compute_score
+
+    spec = inputs.spec
+    g = spec.sampling.num_samples
+    stop_ids = tuple(int(i) for i in sampler.cfg.eos_token_id)
+    candidates = []
+    for i in range(spec.search.max_candidates):
+        row, prompt = inputs.candidate(cursor, i)
+        res = sampler.sample(prompt, sampling_params(spec.sampling, stop_ids, seeds[i]))
+        # Special tokens (the stop token) are not part of the answer text the reward parses.
+        texts = [inputs.tokenizer.decode(res.completion(j), skip_special_tokens=True) for j in range(g)]
+        scores = [compute_score(text, row.ground_truth) for text in texts]
+        rewards = [float(sc["score"]) for sc in scores]
+        candidates.append({"candidate": i, "row": row.index, "ground_truth": row.ground_truth, "rewards": rewards,
+                           "preds": [sc["pred"] for sc in scores], "texts": texts, "lengths": res.lengths.tolist(),
+                           "finish_reasons": res.finish_reasons, "prefix_hit_tokens": res.prefix_hit_tokens,
+                           "seed": seeds[i]})
+        event("candidate", step=step, candidate=i, row=row.index, rewards=rewards,
+              prefix_hit_tokens=res.prefix_hit_tokens, prefill_seconds=round(res.prefill_seconds, 3),
+              decode_seconds=round(res.decode_seconds, 3))
+        log(f"step {step} candidate {i}: row {row.index} rewards {rewards} (prefix hit {res.prefix_hit_tokens} tokens)")
+        if len(set(rewards)) > 1:
+            return candidates, Accepted(i, row, prompt, res, rewards)
+    return candidates, None
+
+
+def response_batch(accepted: Accepted, pad_id: int, max_new_tokens: int):
+    """(responses [G,R] int32 with pads after each sample's end, mask [G,R] float32, advantages [G])."""
+    import jax.numpy as jnp
+
+    from glm52_jax.rl import grpo
+
+    res = accepted.result
+    mask = (np.arange(max_new_tokens)[None, :] < res.lengths[:, None]).astype(np.float32)
+    responses = np.where(mask > 0, res.tokens, pad_id).astype(np.int32)
+    rewards = jnp.asarray(accepted.rewards, jnp.float32)
+    advantages = np.asarray(grpo.group_advantages(rewards, group_size=len(accepted.rewards)))
+    return responses, mask, advantages

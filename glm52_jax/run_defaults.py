@@ -1,0 +1,81 @@
+"""Every run setting with its default and meaning: the base that configs/*.py override.
+
+The defaults are the embedded laptop run (configs/tiny.py): one online GRPO transaction of the
+project's tiny GLM-5.2 policy on CPU. A config file is `get_config()` plus a few overrides, and any
+key can be set on the command line: `--config.train.steps=3`. The config is locked, so a key that is
+not listed here is an error (`--config.trian.steps` names `train.steps`). `run_config.RunSpec`
+validates every value before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from glm52_jax import choices
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.name = "online_grpo_tiny"  # names the default workdir runs/<name>_<UTC time> and the receipts
+    c.seed = 0  # model init (checkpoint="random"), LoRA init and the run's sampling RNG
+    c.mesh = ""  # "" = one device; "folded=32" (CP and EP on one axis, the seed's), "context=4,expert=2"
+
+    c.model = ml_collections.ConfigDict()
+    c.model.checkpoint = "embedded"  # "embedded" (the shipped tiny policy), "random" (seeded init), or an HF dir
+    c.model.preset = "tiny"  # architecture for checkpoint="random", and for plan mode without a checkpoint
+    c.model.dtype = "float32"  # base weights and activations: float32 or bfloat16
+    c.model.rope_scaling_json = ""  # a YaRN payload file; "" = $GLM52_ROPE_SCALING_JSON if set, else native
+    c.model.tokenizer = ""  # tokenizer.json or its dir; "" = the checkpoint's, else the project's tiny one
+    c.model.kernels = "auto"  # DSA kernels: auto (Pallas on GPU, reference jnp elsewhere), reference, pallas
+    c.model.lora_rank = 8  # LoRA rank r
+    c.model.lora_alpha = 16.0  # LoRA scale = alpha / rank
+    c.model.lora_families = choices.LORA_FAMILIES  # adapted weight families (attention, experts, ...)
+
+    c.data = ml_collections.ConfigDict()
+    c.data.path = ""  # DAPO-schema parquet/JSONL; "" = the 75 bundled rows
+    c.data.dedupe = False  # drop repeated prompts (the public DAPO-Math-17k parquet repeats each ~100x)
+    c.data.first_row = 0  # candidate i of the first transaction uses row (first_row + i) mod rows
+    c.data.prompt_tokens = 256  # exact prompt length N in tokens (filler keeps every prompt at exactly N)
+
+    c.sampling = ml_collections.ConfigDict()
+    c.sampling.num_samples = 2  # G samples per prompt (the GRPO group)
+    c.sampling.max_new_tokens = 32  # response length cap R
+    c.sampling.temperature = 1.0  # > 0; old log-probs are taken at this temperature
+    c.sampling.top_p = 1.0  # nucleus truncation, in (0, 1]; 1 = off
+    c.sampling.top_k = 0  # top-k truncation; 0 = off
+    c.sampling.chunk_size = 128  # prefill chunk (tokens) for chunked prefill and prefix-cache reuse
+    c.sampling.prefill_mode = "chunked"  # chunked | whole (one context-parallel forward of a cold prompt)
+    c.sampling.prefix_cache_mib = 256  # budget of the sampler's prompt-KV cache (a repeated prompt reuses it)
+
+    c.search = ml_collections.ConfigDict()
+    c.search.max_candidates = 8  # prompts tried per transaction until a group's rewards differ
+
+    c.train = ml_collections.ConfigDict()
+    c.train.steps = 1  # transactions; each commits a receipt, then an Orbax checkpoint (resumable)
+    c.train.gradient_mode = "response_only"  # conventional | response_only (seed's) | shared_prefix (exact)
+    c.train.learning_rate = 1e-4  # AdamW learning rate, > 0
+    c.train.weight_decay = 0.0  # AdamW decoupled weight decay, >= 0
+    c.train.max_grad_norm = 1.0  # global-norm gradient clip before AdamW, > 0
+    c.train.clip_ratio_low = 0.2  # PPO ratio clip below 1, in (0, 1)
+    c.train.clip_ratio_high = 0.28  # PPO ratio clip above 1 (DAPO clip-higher), in (0, 1)
+    c.train.loss_agg_mode = "token-mean"  # verl loss aggregation (token-mean, seq-mean-token-sum, ...)
+
+    c.parity = ml_collections.ConfigDict()  # --mode=parity: gradient modes compared on one rollout group
+    c.parity.modes = choices.GRADIENT_MODES  # modes to run
+    c.parity.reference = "conventional"  # the mode the others are compared with
+
+    c.plan = ml_collections.ConfigDict()  # --mode=plan: AOT compile for the mesh, no weights
+    c.plan.programs = ("prefill", "decode", "train")  # programs to compile (also: forward)
+    c.plan.hbm_gib = 96.0  # per-device memory the programs must fit (H20: 96 GiB)
+    return c
+
+
+def glm52_release(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The settings the seed's GLM-5.2 runs share (configs/2m.py, configs/32k_parity.py)."""
+    c.model.checkpoint = "/ckpt/GLM-5.2"  # the BF16 HF release directory (override per machine)
+    c.model.preset = "glm52"  # plan mode's architecture when the checkpoint is not on this machine
+    c.model.dtype = "bfloat16"
+    c.data.dedupe = True
+    c.sampling.max_new_tokens = 16
+    c.train.learning_rate = 1e-5
+    return c

@@ -1,0 +1,158 @@
+"""The typed run spec: every shipped config builds, every bad value is refused naming its flag."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from glm52_jax import choices, run_defaults
+from glm52_jax.run_config import (
+    ConfigError,
+    RunSpec,
+    check_rerun,
+    differences,
+    flatten,
+    load_saved_spec,
+    save_spec,
+)
+from tests.run_helpers import config_spec, load_config
+
+
+@pytest.mark.parametrize("name", ["tiny", "2m", "32k_parity"])
+def test_shipped_configs_build_and_round_trip(name):
+    spec = config_spec(name)
+    again = RunSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
+    assert again == spec and again.config_sha256() == spec.config_sha256()
+    # Every config has exactly the defaults' keys (they are overrides of run_defaults.get_config()).
+    assert flatten(load_config(name).to_dict()).keys() == flatten(run_defaults.get_config().to_dict()).keys()
+
+
+def test_configs_override_only_what_they_change():
+    base, m2, parity = (flatten(config_spec(n).to_dict()) for n in ("tiny", "2m", "32k_parity"))
+    changed_2m = sorted(k for k in base if base[k] != m2[k])
+    assert changed_2m == ["data.dedupe", "data.prompt_tokens", "mesh", "model.checkpoint", "model.dtype",
+                          "model.preset", "model.rope_scaling_json", "name", "sampling.chunk_size",
+                          "sampling.max_new_tokens", "sampling.prefill_mode", "sampling.prefix_cache_mib",
+                          "train.learning_rate"], changed_2m
+    assert sorted(k for k in m2 if m2[k] != parity[k]) == ["data.prompt_tokens", "model.rope_scaling_json", "name",
+                                                          "sampling.chunk_size", "sampling.prefill_mode",
+                                                          "sampling.prefix_cache_mib"]
+
+
+def test_the_spec_and_the_launcher_start_without_jax():
+    code = ("import sys; import glm52_jax.run_config, glm52_jax.run_defaults, glm52_jax.workdir, glm52_jax.launch; "
+            "from tests.run_helpers import config_spec; config_spec('2m').mesh_spec(); "
+            "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if m.startswith('jax'))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("train.max_grad_norm", 0.0, "--config.train.max_grad_norm=0.0: must be > 0"),
+    ("train.max_grad_norm", -1.0, "--config.train.max_grad_norm=-1.0: must be > 0"),
+    ("train.learning_rate", -1.0, "--config.train.learning_rate=-1.0: must be > 0"),
+    ("train.learning_rate", float("nan"), "--config.train.learning_rate=nan: must be > 0"),
+    ("train.weight_decay", -0.1, "--config.train.weight_decay=-0.1: must be >= 0"),
+    ("train.clip_ratio_low", 1.0, "--config.train.clip_ratio_low=1.0: must be > 0 and < 1"),
+    ("train.clip_ratio_high", 0.0, "--config.train.clip_ratio_high=0.0: must be > 0 and < 1"),
+    ("train.loss_agg_mode", "mean", "--config.train.loss_agg_mode=mean: must be one of token-mean, "
+                                    "seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm"),
+    ("train.gradient_mode", "fast", "--config.train.gradient_mode=fast: must be one of conventional, "
+                                    "response_only, shared_prefix"),
+    ("train.steps", 0, "--config.train.steps=0: must be >= 1 (transactions in the run)"),
+    ("sampling.top_p", 0.0, "--config.sampling.top_p=0.0: must be > 0 and <= 1"),
+    ("sampling.top_p", 1.5, "--config.sampling.top_p=1.5: must be > 0 and <= 1"),
+    ("sampling.temperature", 0.0, "--config.sampling.temperature=0.0: must be > 0"),
+    ("sampling.max_new_tokens", 0, "--config.sampling.max_new_tokens=0: must be >= 1"),
+    ("sampling.num_samples", 1, "--config.sampling.num_samples=1: must be >= 2 (GRPO compares samples)"),
+    ("sampling.top_k", -1, "--config.sampling.top_k=-1: must be >= 0 (0 = no top-k truncation)"),
+    ("sampling.prefill_mode", "all", "--config.sampling.prefill_mode=all: must be one of chunked, whole"),
+    ("search.max_candidates", 0, "--config.search.max_candidates=0: must be >= 1"),
+    ("model.lora_families", ("attention", "lm_head"), "--config.model.lora_families=('attention', 'lm_head'): "
+                                                      "unknown ['lm_head']; choose from attention, routed_experts, "
+                                                      "shared_expert, dense_mlp, unembed"),
+    ("model.lora_families", ("attention", "attention"), "lists an entry twice"),
+    ("model.lora_rank", 0, "--config.model.lora_rank=0: must be >= 1"),
+    ("model.dtype", "float16", "--config.model.dtype=float16: must be one of float32, bfloat16"),
+    ("model.kernels", "cuda", "--config.model.kernels=cuda: must be one of auto, reference, pallas"),
+    ("parity.reference", "shared", "--config.parity.reference=shared: must be one of conventional"),
+    ("plan.programs", ("prefill", "sample"), "unknown ['sample']"),
+    ("plan.hbm_gib", 0.0, "--config.plan.hbm_gib=0.0: must be > 0"),
+    ("data.prompt_tokens", 1, "--config.data.prompt_tokens=1: must be >= 2"),
+    ("mesh", "context=four", "--config.mesh=context=four: mesh 'context=four': expected name=integer items"),
+    ("name", "my run", "--config.name=my run: must be a non-empty name"),
+    ("train.steps", 1.5, "--config.train.steps=1.5: must be an integer"),
+    ("data.dedupe", 1, "--config.data.dedupe=1: must be True or False"),
+])
+def test_bad_values_name_their_flag(key, value, message):
+    with pytest.raises(ConfigError) as info:
+        config_spec("tiny", **{key: value})
+    assert str(info.value).startswith(message) or message in str(info.value), str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_and_missing_keys():
+    values = config_spec("tiny").to_dict()
+    values["train"]["stpes"] = values["train"].pop("steps")
+    with pytest.raises(ConfigError, match=r"^unknown config key train\.stpes \(did you mean train\.steps\?\)$"):
+        RunSpec.from_dict(values)
+    values = config_spec("tiny").to_dict()
+    del values["sampling"]["top_k"]
+    with pytest.raises(ConfigError, match=r"config lacks key\(s\) sampling\.top_k"):
+        RunSpec.from_dict(values)
+
+
+def test_hashes_and_rerun_rules(tmp_path):
+    spec = config_spec("tiny")
+    longer = spec.replace(**{"train.steps": 5, "plan.hbm_gib": 141.0})
+    assert longer.config_sha256() != spec.config_sha256() and longer.resume_sha256() == spec.resume_sha256()
+    check_rerun(spec, longer, tmp_path)  # steps and plan settings may change
+    other = spec.replace(**{"train.learning_rate": 0.5, "sampling.num_samples": 4})
+    assert differences(spec, other) == [("sampling.num_samples", 2, 4), ("train.learning_rate", 0.0001, 0.5)]
+    with pytest.raises(ConfigError, match=r"sampling\.num_samples: saved 2, now 4; train\.learning_rate: saved "
+                                          r"0\.0001, now 0\.5\)"):
+        check_rerun(spec, other, tmp_path)
+
+
+def test_saved_spec_round_trip_and_corruption(tmp_path):
+    spec = config_spec("2m")
+    path = save_spec(spec, tmp_path, ["python", "-m", "glm52_jax.launch", "--config=configs/2m.py"])
+    record = json.loads(path.read_text())
+    assert record["command"][-1] == "--config=configs/2m.py" and record["config_sha256"] == spec.config_sha256()
+    assert load_saved_spec(tmp_path) == spec and load_saved_spec(tmp_path / "none") is None
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match="is not a saved run config"):
+        load_saved_spec(tmp_path)
+
+
+def test_choices_are_the_ones_the_code_implements():
+    from glm52_jax import config
+    from glm52_jax.model.lora import FAMILIES
+    from glm52_jax.model.options import ModelOptions
+    from glm52_jax.rl import grpo
+    from glm52_jax.rl.gradients import MODES
+    from glm52_jax.rollout.sampler import PREFILL_MODES
+
+    assert tuple(config.PRESETS) == choices.PRESETS
+    assert (MODES, PREFILL_MODES, grpo.LOSS_AGG_MODES, FAMILIES) == (
+        choices.GRADIENT_MODES, choices.PREFILL_MODES, choices.LOSS_AGG_MODES, choices.LORA_FAMILIES)
+    for kernels in choices.KERNELS:
+        ModelOptions(kernels=kernels)
+
+
+def test_settings_build_the_objects_the_spec_configures():
+    from glm52_jax.rl import settings
+
+    spec = config_spec("tiny", **{"train.max_grad_norm": 0.5, "model.lora_families": ("attention", "unembed"),
+                                  "model.kernels": "reference"})
+    lora = settings.lora_config(spec.model)
+    assert (lora.rank, lora.alpha, lora.families) == (8, 16.0, frozenset({"attention", "unembed"}))
+    options = settings.model_options(spec.model)
+    assert (str(options.param_dtype), options.kernels) == ("float32", "reference")
+    adamw = settings.adamw(spec.train)
+    assert (adamw.learning_rate, adamw.max_grad_norm, adamw.weight_decay) == (1e-4, 0.5, 0.0)
+    loss = settings.loss_settings(spec.train)
+    assert (loss.clip_ratio_low, loss.clip_ratio_high, loss.loss_agg_mode) == (0.2, 0.28, "token-mean")
+    params = settings.sampling_params(spec.sampling, (1, 4), seed=7)
+    assert (params.num_samples, params.max_new_tokens, params.seed, params.stop_token_ids) == (2, 32, 7, (1, 4))

@@ -1,0 +1,50 @@
+"""Workdir bookkeeping: one process per run directory, stale locks, what an interrupted run kept."""
+
+import subprocess
+import sys
+
+import pytest
+
+from glm52_jax import workdir as workdir_lib
+from glm52_jax.run_config import ConfigError
+from tests.run_helpers import config_spec
+
+
+def test_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(tmp_path):
+    lock = workdir_lib.acquire(tmp_path, ["first"])
+    with pytest.raises(ConfigError, match=r"is in use by pid \d+ on .* \(since .*\); wait for it, or remove .*\.lock"):
+        workdir_lib.acquire(tmp_path, ["second"])  # this process is alive
+    workdir_lib.release(lock)
+    assert not lock.exists()
+    # A lock left by a process that has exited (a real one, killed): taken over.
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    lock.write_text(f'{{"pid": {gone.pid}, "host": "{workdir_lib.socket.gethostname()}", "started_utc": "x"}}')
+    assert workdir_lib.acquire(tmp_path, ["third"]) == lock
+    workdir_lib.release_held()
+    # Another host's lock cannot be checked: refused.
+    lock.write_text('{"pid": 1, "host": "elsewhere", "started_utc": "x"}')
+    with pytest.raises(ConfigError, match="in use by pid 1 on elsewhere"):
+        workdir_lib.acquire(tmp_path, ["fourth"])
+
+
+def test_claim_saves_the_settings_and_refuses_other_ones(tmp_path):
+    spec = config_spec("tiny")
+    with workdir_lib.claim(spec, tmp_path / "w", ["cmd", "one"]) as w:
+        assert (w / ".lock").exists() and (w / "config.json").exists()
+    assert not (tmp_path / "w" / ".lock").exists()
+    with workdir_lib.claim(spec.replace(**{"train.steps": 4}), tmp_path / "w", ["cmd", "two"]):
+        pass
+    saved = workdir_lib.load_saved_spec(tmp_path / "w")
+    assert saved.train.steps == 4
+    with pytest.raises(ConfigError, match="train.learning_rate: saved 0.0001, now 0.001"):
+        with workdir_lib.claim(spec.replace(**{"train.learning_rate": 1e-3}), tmp_path / "w", ["cmd"]):
+            pass
+
+
+def test_kept_summary_reads_the_committed_steps(tmp_path):
+    assert workdir_lib.kept_summary(tmp_path).endswith("has no committed step; the next launch starts from step 1")
+    for name in ("1", "2", "3.orbax-checkpoint-tmp-9"):
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+    assert workdir_lib.committed_steps(tmp_path) == [1, 2]
+    assert "keeps committed steps up to 2 (receipts and checkpoint 2)" in workdir_lib.kept_summary(tmp_path)
