@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv with Python 3.12, installs glm52-jax with its test extras, then runs the main job.
+# Creates .venv with Python 3.12, installs glm52-jax with its test and deviceless-GPU-compile extras, then runs
+# the main job.
 # Usage: bash scripts/setup.sh [--no-run]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +24,7 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import sys; assert sys.ve
   "$(find_python312)" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet -e '.[test]'
+.venv/bin/python -m pip install --quiet -e '.[test,gpu-aot]'
 
 if [ "${1:-}" != "--no-run" ]; then
   .venv/bin/python -m glm52_jax.launch

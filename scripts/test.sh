@@ -1,25 +1,18 @@
 #!/usr/bin/env bash
-# Runs the CPU test suite (8 virtual devices), installing the environment first if needed.
-# Each test file runs in its own pytest process: XLA:CPU has segfaulted late in a single-process
-# session (in a compile or a persistent-cache write, after hundreds of programs); a fresh process
-# per file keeps one file's compiles from affecting another's. Extra arguments go to every pytest
-# call; with arguments naming tests, one pytest call runs just those.
+# Runs ruff, then the CPU test suite (8 virtual devices) in two pytest worker processes (pytest-xdist,
+# whole files per worker: the machine has 2 cores and most tests are one-threaded compiles or wait on
+# subprocesses), installing the environment first if needed. Within a worker the files share JAX's
+# in-memory compile caches and one Python/JAX/torch start; tests/conftest.py bounds the compiled
+# programs a process keeps alive (a long session used to exhaust its memory-map table and crash
+# XLA:CPU: BUILD_NOTES, "Test process"). GLM52_TEST_WORKERS=0 runs everything in this one process.
+# Extra arguments go to pytest (e.g. `-m slow`, or test paths to run just those). The slowest tests
+# are listed at the end; faulthandler prints the Python stack if a process ever crashes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --no-run || exit 1
+# The linter first: a style or import-order slip fails in a second, before the suite's minutes.
+.venv/bin/ruff check . || exit 1
 export XLA_FLAGS="--xla_force_host_platform_device_count=8 ${XLA_FLAGS:-}"
 export JAX_PLATFORMS=cpu
-for arg in "$@"; do
-  if [[ "$arg" != -* ]]; then exec .venv/bin/python -m pytest -q "$@"; fi
-done
-failed=()
-for file in $(find tests -name 'test_*.py' | sort); do
-  .venv/bin/python -m pytest -q -p no:cacheprovider "$@" "$file"
-  rc=$?
-  if [[ $rc -ne 0 && $rc -ne 5 ]]; then failed+=("$file (exit $rc)"); fi  # 5: every test deselected
-done
-if (( ${#failed[@]} )); then
-  printf 'FAILED: %s\n' "${failed[@]}"
-  exit 1
-fi
-echo "all test files passed"
+exec .venv/bin/python -X faulthandler -m pytest -q -p no:cacheprovider --durations=25 \
+  -n "${GLM52_TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -1,8 +1,8 @@
 """Whole-model parity with HF transformers `GlmMoeDsaForCausalLM` (torch CPU, eager, float32).
 
 Weights are written by HF `save_pretrained` and read by our loader, so each case checks the
-checkpoint mapping and the math together: max |logit difference| <= 1e-4 and identical indexer
-top-k sets (causal entries) on every full layer.
+checkpoint mapping and the math together: max |logit difference| <= LOGIT_ATOL (1e-5) and identical
+indexer top-k sets (causal entries) on every full layer.
 """
 
 import jax.numpy as jnp
@@ -14,7 +14,11 @@ import glm52_jax
 from glm52_jax import config, positions
 from glm52_jax.model.options import ModelOptions
 
-LOGIT_ATOL = 1e-4
+# Measured max |ours - HF| over every case below: 1.9e-6 .. 3.2e-6 at max |logit| 2.4 .. 3.0 (2026-12-04,
+# `pytest -s` prints it per case). That is float32 rounding on both sides, not a formula difference: on
+# the index_share case HF float32 is itself 2.7e-6 from HF float64, and ours 3.0e-6. Bound: ~3x the
+# largest measured error.
+LOGIT_ATOL = 1e-5
 
 # Small blocks so the streaming top-k and blocked attention cross several blocks (with padding).
 BLOCKED = ModelOptions(param_dtype=jnp.float32, indexer_query_block=16, indexer_key_block=8,
@@ -51,6 +55,7 @@ def _compare(cfg, tmp_path, seq_len, options=BLOCKED, batch=2, seed=0):
 
     assert logits.shape == ref_logits.shape
     diff = np.abs(logits - ref_logits).max()
+    print(f"max |logit diff| {diff:.3g} (max |logit| {np.abs(ref_logits).max():.3g})")
     assert diff <= LOGIT_ATOL, f"max |logit diff| {diff:.3g}"
     assert np.abs(ref_logits).max() > 0.5  # logits are not trivially small
     assert sorted(topk) == sorted(ref_topk) == [i for i, t in enumerate(cfg.indexer_types) if t == "full"]
@@ -90,4 +95,6 @@ def test_token_logprobs_match_hf_log_softmax(tmp_path):
     model = glm52_jax.load_pretrained(ckpt, dtype=jnp.float32, options=BLOCKED)
     ours = np.asarray(glm52_jax.token_logprobs(model, jnp.asarray(ids), chunk=8))
     assert ours.shape == (2, 36) and ours.dtype == np.float32
-    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
+    print(f"max |log-prob diff| {np.abs(ours - ref).max():.3g}")
+    # Measured 1.9e-6 (2026-12-04); same float32 rounding as the logits, same bound.
+    np.testing.assert_allclose(ours, ref, atol=LOGIT_ATOL, rtol=0)

@@ -123,3 +123,15 @@ def test_script_json_subprocess():
     seed = rep["seed"]["by_variant"]["indexshare/bf16_indexer"]
     assert seed["first_candidate_over_bound"] == pytest.approx(1867.58 / seed["prefill_bound_s"])
     assert abs(rep["design_check"]["relative_difference"]) < 0.10
+    # The figures BUILD_NOTES quotes from this command (to their printed digits).
+    prefill = {v: row["bounds"]["H20"]["total_s"] for v, row in rep["workloads"]["prefill"].items()}
+    assert round(prefill["indexshare/bf16_indexer"], 1) == 124.6
+    assert round(prefill["indexshare/fp8_indexer"], 1) == 84.6
+    assert round(prefill["all_full/bf16_indexer"], 1) == 341.9
+    parts = rep["workloads"]["prefill"]["indexshare/bf16_indexer"]["costs"]["components"]
+    indexer = sum(parts[c]["flops"] for c in ("indexer_score", "indexer_proj"))
+    assert round(100 * indexer / sum(c["flops"] for c in parts.values())) == 64
+    assert round(seed["first_candidate_over_bound"]) == 15 and round(seed["cached_candidate_over_bound"]) == 555
+    assert round(1000 * seed["decode_bound_s"]) == 55
+    assert round(rep["kv_cache"]["indexshare/bf16_indexer"]["per_device_gib"], 2) == 5.81
+    assert round(rep["kv_cache"]["all_full/bf16_indexer"]["per_device_gib"], 2) == 6.70

@@ -5,17 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from dense_oracle import dense_topk
-from jaxpr_utils import largest_intermediate
+from indexer_inputs import indexer_inputs as _inputs
+from jaxpr_utils import all_eqns, largest_intermediate
 
 from glm52_jax.model.indexer import INVALID, cached_topk, streaming_topk
-
-
-def _inputs(seed, b=2, s=37, t=37, h=4, i=16):
-    ks = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(ks[0], (b, s, h, i), jnp.float32)
-    w = jax.random.normal(ks[1], (b, s, h), jnp.float32)
-    k = jax.random.normal(ks[2], (b, t, i), jnp.float32)
-    return q, w, k
 
 
 @pytest.mark.parametrize("qb,kb", [(8, 4), (16, 16), (37, 37), (5, 64), (64, 3)])
@@ -62,6 +55,65 @@ def test_cached_topk_blocks_need_not_divide_the_capacity(capacity, length, kb):
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref))
     want = np.take_along_axis(np.asarray(scores), np.asarray(ref), axis=-1)
     np.testing.assert_allclose(np.asarray(vals), want, rtol=1e-6)
+
+
+def _cache_loops(q_len, capacity, length, query_block, key_block):
+    """The loops of `cached_topk`'s traced program that read key blocks from the cache, as
+    (primitive, trip count or None, cache-axis width of each block read). `length` an int makes the
+    trip count static (the key loop is then a scan of that length); None traces it (a while loop, as
+    in the model, where the cache length is data)."""
+    i = 8
+    cache = jax.ShapeDtypeStruct((1, 1, 1, capacity, i), jnp.float32)  # [reps, F, B, Cap, I]
+    q = jax.ShapeDtypeStruct((1, q_len, 2, i), jnp.float32)
+    w = jax.ShapeDtypeStruct((1, q_len, 2), jnp.float32)
+
+    def fn(q, w, cache, n):
+        q_pos = n + jnp.arange(q_len, dtype=jnp.int32)
+        return cached_topk(q, w, cache, (0, 0), q_pos, n, 8, scale=0.25, query_block=query_block,
+                           key_block=key_block)
+
+    if length is None:
+        jaxpr = jax.make_jaxpr(fn)(q, w, cache, jax.ShapeDtypeStruct((), jnp.int32))
+    else:
+        jaxpr = jax.make_jaxpr(lambda q, w, cache: fn(q, w, cache, length))(q, w, cache)
+    loops = []
+    for eqn in all_eqns(jaxpr.jaxpr):
+        body = {"scan": "jaxpr", "while": "body_jaxpr"}.get(eqn.primitive.name)
+        if body is None:
+            continue
+        reads = [e.params["slice_sizes"][3] for e in eqn.params[body].jaxpr.eqns
+                 if e.primitive.name == "dynamic_slice" and e.invars[0].aval.shape == cache.shape]
+        if reads:
+            loops.append((eqn.primitive.name, eqn.params.get("length"), reads))
+    return loops
+
+
+@pytest.mark.parametrize("q_len,capacity,length,key_block,want_kb", [
+    (4, 8207, 8200, 64, 64),  # the bench's capacity P-1+R: gcd(8207, 64) = 1 made 8,200 one-slot steps
+    (1, 8207, 8207, 64, 256),  # decode (1 query): blocks widened by query_block // queries = 4
+    (1, 300, 250, 128, 300),  # the widened block exceeds the capacity: one block of the whole cache
+])
+def test_cached_topk_key_blocks_keep_their_width(q_len, capacity, length, key_block, want_kb):
+    """The key loop's structure itself: each step reads one block of the full width, and the loop
+    runs ceil(length / width) steps, whatever the capacity's divisors."""
+    # Traced length (the model's case): a while loop whose body reads one want_kb-slot block.
+    assert _cache_loops(q_len, capacity, None, 4, key_block) == [("while", None, [want_kb])]
+    # Static length: the same loop as a scan, so its trip count is visible in the program.
+    assert _cache_loops(q_len, capacity, length, 4, key_block) == [("scan", -(-length // want_kb), [want_kb])]
+
+
+def test_cached_topk_at_an_odd_capacity_matches_dense():
+    """The first case above, computed: 8,207 slots (odd: no 64-slot tiling), the last block moved back."""
+    capacity, length = 8207, 8200
+    q, w, _ = _inputs(5, s=4)
+    _, _, k = _inputs(6, t=capacity)
+    q_pos = length + jnp.arange(4, dtype=jnp.int32)
+    vals, idx = jax.jit(lambda q, w, c, n: cached_topk(q, w, c, (0, 0), q_pos, n, 8, scale=0.25, query_block=4,
+                                                       key_block=64))(q, w, k[None, None], jnp.int32(length))
+    ref, scores = dense_topk(q, w, k[:, :length], q_pos, jnp.arange(length, dtype=jnp.int32), 8, 0.25)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref))
+    np.testing.assert_allclose(np.asarray(vals), np.take_along_axis(np.asarray(scores), np.asarray(ref), -1),
+                               rtol=1e-6)
 
 
 def test_ties_keep_lowest_key_index():

@@ -31,9 +31,37 @@ def test_plan_covers_every_layer_in_order(seed):
     assert rebuilt == kinds
 
 
+def _rngs():
+    """rbg keys: their random draws compile fast on XLA:CPU (eager init compiles every op once)."""
+    return nnx.Rngs(jax.random.key(0, impl="rbg"))
+
+
 @pytest.fixture(scope="module")
 def tiny_f32():
-    return GlmMoeDsa(config.tiny(), F32, rngs=nnx.Rngs(0))
+    return GlmMoeDsa(config.tiny(), F32, rngs=_rngs())
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16():
+    """The default options (bf16 parameters); the same init keys as `tiny_f32`."""
+    return GlmMoeDsa(config.tiny(), rngs=_rngs())
+
+
+@pytest.fixture(scope="module")
+def ids():
+    """[2,33] tokens, longer than index_topk (32); every forward test uses this one shape."""
+    return jnp.asarray(np.random.default_rng(2).integers(0, 512, (2, 33)), jnp.int32)
+
+
+@pytest.fixture(scope="module")
+def eager_logits(tiny_f32, ids):
+    """Op-by-op (un-jitted) logits of `ids`."""
+    return np.asarray(tiny_f32(ids))
+
+
+def _jitted_logits(model, ids):
+    graphdef, state = nnx.split(model)
+    return np.asarray(jax.jit(lambda st, x: nnx.merge(graphdef, st)(x))(state, ids))
 
 
 def test_every_param_has_logical_axes(tiny_f32):
@@ -44,35 +72,28 @@ def test_every_param_has_logical_axes(tiny_f32):
         assert (axes[0] == "layers") == (path[0] == "stacks"), path
 
 
-def test_default_dtypes_bf16_with_fp32_router_and_weights_proj():
-    model = GlmMoeDsa(config.tiny(), rngs=nnx.Rngs(0))
-    _, state = nnx.split(model)
+def test_default_dtypes_bf16_with_fp32_router_and_weights_proj(tiny_bf16, ids):
+    _, state = nnx.split(tiny_bf16)
     fp32 = {"router", "e_score_correction_bias", "weights_proj"}
     for path, var in nnx.to_flat_state(state):
         expect = jnp.float32 if path[-1] in fp32 else jnp.bfloat16
         assert var.get_value().dtype == expect, path
-    ids = jnp.asarray(np.random.default_rng(0).integers(0, 512, (1, 40)), jnp.int32)
-    logits = model(ids)
-    assert logits.dtype == jnp.float32 and bool(jnp.isfinite(logits).all())
+    logits = _jitted_logits(tiny_bf16, ids)
+    assert logits.dtype == np.float32 and np.isfinite(logits).all()
 
 
-def test_bf16_tracks_float32(tiny_f32):
+def test_bf16_tracks_float32(tiny_f32, tiny_bf16, ids, eager_logits):
     _, state = nnx.split(tiny_f32)
-    graphdef_bf16, state_bf16 = nnx.split(GlmMoeDsa(config.tiny(), rngs=nnx.Rngs(0)))
+    graphdef_bf16, state_bf16 = nnx.split(tiny_bf16)
     # Same weights, rounded to the bf16 model's dtypes.
     cast = jax.tree.map(lambda a, b: a.astype(b.dtype), state, state_bf16)
-    ids = jnp.asarray(np.random.default_rng(1).integers(0, 512, (1, 24)), jnp.int32)
-    ref = np.asarray(tiny_f32(ids))
-    ours = np.asarray(nnx.merge(graphdef_bf16, cast)(ids))
-    rel = np.linalg.norm(ours - ref) / np.linalg.norm(ref)
+    ours = _jitted_logits(nnx.merge(graphdef_bf16, cast), ids)
+    rel = np.linalg.norm(ours - eager_logits) / np.linalg.norm(eager_logits)
     assert 0 < rel < 0.05, rel
 
 
-def test_jit_matches_eager(tiny_f32):
-    ids = jnp.asarray(np.random.default_rng(2).integers(0, 512, (2, 33)), jnp.int32)
-    graphdef, state = nnx.split(tiny_f32)
-    jitted = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x))(state, ids)
-    np.testing.assert_allclose(np.asarray(jitted), np.asarray(tiny_f32(ids)), rtol=1e-5, atol=1e-5)
+def test_jit_matches_eager(tiny_f32, ids, eager_logits):
+    np.testing.assert_allclose(_jitted_logits(tiny_f32, ids), eager_logits, rtol=1e-5, atol=1e-5)
 
 
 def test_whole_model_has_no_sequence_squared_array():
@@ -84,12 +105,10 @@ def test_whole_model_has_no_sequence_squared_array():
     assert biggest < seq * seq // 8, biggest
 
 
-def test_token_logprobs_shape_and_normalisation(tiny_f32):
-    ids = jnp.asarray(np.random.default_rng(3).integers(0, 512, (2, 21)), jnp.int32)
-    lp = glm52_jax.token_logprobs(tiny_f32, ids, chunk=4)
-    logits = tiny_f32(ids)
-    ref = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1], -1), ids[:, 1:, None], -1)[..., 0]
-    assert lp.shape == (2, 20)
+def test_token_logprobs_shape_and_normalisation(tiny_f32, ids, eager_logits):
+    lp = glm52_jax.token_logprobs(tiny_f32, ids, chunk=4)  # 32 targets in 8 chunks
+    ref = jnp.take_along_axis(jax.nn.log_softmax(eager_logits[:, :-1], -1), ids[:, 1:, None], -1)[..., 0]
+    assert lp.shape == (2, 32)
     np.testing.assert_allclose(np.asarray(lp), np.asarray(ref), atol=1e-5)
 
 

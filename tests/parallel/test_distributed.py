@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -72,37 +73,50 @@ def test_two_processes_form_one_mesh():
         np.testing.assert_allclose(np.asarray(r["gram"]), np.einsum("sij,skj->ik", data, data), rtol=1e-5)
 
 
+# The survivor learns of the dead peer from the coordination service once the peer has missed its
+# heartbeats for HEARTBEAT_S (measured: ~10-15 s after the death, on this 2-core machine under load).
+HEARTBEAT_S = 10
+ABORT_BOUND_S = 45
+
+
 def test_a_dead_peer_fails_the_survivor_in_bounded_time():
-    start = time.perf_counter()
-    procs = _spawn("die", heartbeat_s=10)
+    procs = _spawn("die", heartbeat_s=HEARTBEAT_S)
     try:
-        outs = [p.communicate(timeout=240) for p in procs]
+        outs = [p.communicate(timeout=ABORT_BOUND_S + 60) for p in procs]
     finally:
         for p in procs:
             p.kill()
-    elapsed = time.perf_counter() - start
+    survivor_done = time.time()
     assert procs[1].returncode == 3
     assert procs[0].returncode != 0, "the survivor must not hang or succeed"
-    assert elapsed < 240
+    died_at = json.loads(outs[1][0].strip().splitlines()[-1])["died_at"]
+    after_death = survivor_done - died_at
+    print(f"survivor exited with {procs[0].returncode} {after_death:.1f} s after its peer died "
+          f"(heartbeat timeout {HEARTBEAT_S} s)")
+    assert after_death <= ABORT_BOUND_S, after_death
     # The coordination service names the cause: the peer stopped sending heartbeats.
     assert "stopped sending heartbeats" in outs[0][1], outs[0][1][-3000:]
-    print(f"survivor exited with {procs[0].returncode} after {elapsed:.1f} s")
 
 
 def test_two_processes_run_a_sharded_forward_and_training_step(tmp_path):
     """2 processes x 4 devices (context 4 x expert 2 across both) vs the same step on one device."""
     out_file = tmp_path / "sharded.npz"
     procs = _spawn("train", extra=[str(out_file)])
-    outs = [p.communicate(timeout=600) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    sharded = dict(np.load(out_file))
-
     sys.path.insert(0, str(WORKER.parent))
     import multiprocess_worker
 
-    model, batch = multiprocess_worker.training_problem()
-    single = multiprocess_worker.train_step(model, batch)
+    # The single-device reference runs while the two processes do (their pipes drained meanwhile).
+    with ThreadPoolExecutor(len(procs)) as pool:
+        pending = [pool.submit(p.communicate, timeout=600) for p in procs]
+        model, batch = multiprocess_worker.training_problem()
+        # The adapters before the step (train_step updates the model in place; its old arrays stay as they are).
+        before = {f"lora:{'/'.join(map(str, k))}": np.asarray(v.get_value())
+                  for k, v in nnx.to_flat_state(nnx.state(model, LoRA))}
+        single = multiprocess_worker.train_step(model, batch)
+        outs = [f.result() for f in pending]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    sharded = dict(np.load(out_file))
     assert sorted(sharded) == sorted(single)
     assert sum(k.startswith("lora:") for k in single) > 10
     for key, want in single.items():
@@ -111,8 +125,7 @@ def test_two_processes_run_a_sharded_forward_and_training_step(tmp_path):
         if key.startswith(("lora:", "grad:")):  # compared below as arrays
             continue
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=key)
-    before = {f"lora:{'/'.join(map(str, k))}": np.asarray(v.get_value())
-              for k, v in nnx.to_flat_state(nnx.state(multiprocess_worker.training_problem()[0], LoRA))}
+
     def rel(a, b):
         return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 

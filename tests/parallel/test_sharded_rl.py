@@ -32,6 +32,22 @@ CFG = config.tiny(num_hidden_layers=2, indexer_types=("full", "shared"))
 P, G, R = 45, 2, 6
 CHUNK = 3  # a jit cache key of its own (logits in two chunks)
 MESHES = ("folded=8", "context=4,expert=2")
+GREEDY = SamplingParams(num_samples=G, max_new_tokens=R, temperature=0.0)
+QUIET = dict(chunk_size=16, capacity_multiple=16, progress=lambda *a: None)
+CAPACITY = 64
+
+
+def _hidden(graphdef, state, ids):
+    """Hidden states [1,S,D] and the full layers' top-k {layer: [1,S,K]} of ids [1,S]."""
+    return nnx.merge(graphdef, state).hidden_states(ids, return_topk=True)
+
+
+# One jitted function for every forward of the file: equal graph definitions and shardings share a program.
+_hidden_jit = jax.jit(_hidden, static_argnums=0)
+
+
+def _ids(seq):
+    return jnp.asarray(np.random.default_rng(seq).integers(0, CFG.vocab_size, (1, seq)), jnp.int32)
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +72,53 @@ def reference(model, batch):
     return {mode: lora_gradients(model, **batch, mode=mode, logprob_chunk=CHUNK) for mode in MODES}
 
 
+@pytest.fixture(scope="module")
+def reference_forward(model):
+    """Single-device forward of `_ids(seq)`, computed once per length."""
+    graphdef, state = nnx.split(model)
+    done = {}
+
+    def forward(seq):
+        if seq not in done:
+            done[seq] = _hidden_jit(graphdef, state, _ids(seq))
+        return done[seq]
+
+    return forward
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return np.random.default_rng(9).integers(0, CFG.vocab_size, P).tolist()
+
+
+@pytest.fixture(scope="module")
+def reference_sampling(model, prompt):
+    """Single device, chunked prefill: the prompt's cache and h_last, and its greedy continuation."""
+    sampler = Sampler(model, **QUIET)
+    cache, h_last, _ = sampler.prefill(prompt, CAPACITY)
+    return cache, h_last, sampler.sample(prompt, GREEDY)
+
+
 def _mesh(spec):
     mesh_spec = parse_mesh(spec)
     return mesh_spec, mesh_spec.make()
 
 
+def _seq_ways(mesh, spec):
+    return mesh.shape["cp_ep"] if spec.startswith("folded") else mesh.shape["context"]
+
+
 def _rel_l2(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30))
+
+
+def _assert_same_topk_sets(got, want):
+    """Causal top-k as sets per query (the order of equal scores is not part of the contract); -1 pads."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape
+    for q in range(got.shape[1]):
+        assert set(got[0, q][got[0, q] >= 0]) == set(want[0, q][want[0, q] >= 0]), q
 
 
 @pytest.mark.parametrize("spec", MESHES)
@@ -98,39 +153,37 @@ def test_gradient_modes_match_one_device(model, batch, reference, spec):
 
 
 @pytest.mark.parametrize("spec", MESHES)
-def test_topk_and_activations_are_sharded_and_equal(model, spec):
-    ids = jnp.asarray(np.random.default_rng(7).integers(0, CFG.vocab_size, (1, 48)), jnp.int32)
-    run = jax.jit(lambda st, x: nnx.merge(graphdef, st).hidden_states(x, return_topk=True))
-    graphdef, state = nnx.split(model)
-    h_ref, topk_ref = run(state, ids)
+def test_topk_and_activations_are_sharded_and_equal(model, reference_forward, spec):
+    h_ref, topk_ref = reference_forward(48)
     mesh_spec, mesh = _mesh(spec)
     with axis_rules(mesh_spec.rules()):
         graphdef, state = nnx.split(place_model(model, mesh))
         with jax.set_mesh(mesh):
-            h, topk = run(state, ids)
+            h, topk = _hidden_jit(graphdef, state, _ids(48))
     np.testing.assert_allclose(np.asarray(h), np.asarray(h_ref), rtol=1e-5, atol=1e-5)
     assert set(topk) == set(topk_ref) == {0}  # layer 0 is the only full indexer layer
-    got, want = np.asarray(topk[0]), np.asarray(topk_ref[0])
-    for q in range(ids.shape[1]):
-        # Causal top-k as sets (the order of equal scores is not part of the contract); -1 pads.
-        assert set(got[0, q][got[0, q] >= 0]) == set(want[0, q][want[0, q] >= 0]), q
+    _assert_same_topk_sets(topk[0], topk_ref[0])
     # Each device holds 1/N of the sequence of the sequence-sharded hidden states.
-    seq_ways = mesh.shape["cp_ep"] if spec.startswith("folded") else mesh.shape["context"]
-    assert {s.data.shape[1] for s in h.addressable_shards} == {48 // seq_ways}
+    assert {s.data.shape[1] for s in h.addressable_shards} == {48 // _seq_ways(mesh, spec)}
+
+
+def _assert_cache_slots_sharded(cache, mesh, spec):
+    stacks = [a for a in (*cache.c_kv, *cache.k_rope, *cache.index_k) if a.size]  # skip empty index_k
+    assert len(stacks) == 5  # two segments' latents and rope keys, one segment's indexer keys
+    for stack in stacks:
+        assert {s.data.shape[3] for s in stack.addressable_shards} == {CAPACITY // _seq_ways(mesh, spec)}, \
+            stack.sharding
 
 
 @pytest.mark.parametrize("spec", MESHES)
-def test_greedy_decode_matches_and_cache_is_sharded(model, spec):
-    prompt = np.random.default_rng(9).integers(0, CFG.vocab_size, P).tolist()
-    params = SamplingParams(num_samples=G, max_new_tokens=R, temperature=0.0)
-    quiet = dict(chunk_size=16, capacity_multiple=16, progress=lambda *a: None)
-    ref = Sampler(model, **quiet).sample(prompt, params)
+def test_greedy_decode_matches_and_cache_is_sharded(model, prompt, reference_sampling, spec):
+    ref = reference_sampling[2]
     mesh_spec, mesh = _mesh(spec)
     with axis_rules(mesh_spec.rules()):
-        sampler = Sampler(place_model(model, mesh), **quiet)
+        sampler = Sampler(place_model(model, mesh), **QUIET)
         with jax.set_mesh(mesh):
-            cache, _, _ = sampler.prefill(prompt, 64)
-            out = sampler.sample(prompt, params)
+            cache, _, _ = sampler.prefill(prompt, CAPACITY)
+            out = sampler.sample(prompt, GREEDY)
             # The decode step runs the explicit path: local indexer scores, merged candidates,
             # attention where the keys live, log-sum-exp combine (a pmax + psums).
             step = jax.make_jaxpr(lambda st, c, ids: nnx.merge(sampler.graphdef, st).forward_cached(ids, c))(
@@ -138,68 +191,52 @@ def test_greedy_decode_matches_and_cache_is_sharded(model, spec):
             assert "pmax" in str(step) and "all_gather" in str(step)
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     np.testing.assert_allclose(out.logprobs, ref.logprobs, rtol=1e-5, atol=1e-5)
-    seq_ways = mesh.shape["cp_ep"] if spec.startswith("folded") else mesh.shape["context"]
-    stacks = [a for a in (*cache.c_kv, *cache.k_rope, *cache.index_k) if a.size]  # skip empty index_k
-    assert len(stacks) == 5  # two segments' latents and rope keys, one segment's indexer keys
-    for stack in stacks:
-        assert {s.data.shape[3] for s in stack.addressable_shards} == {64 // seq_ways}, stack.sharding
+    _assert_cache_slots_sharded(cache, mesh, spec)
 
 
 @pytest.mark.parametrize("layout,spec,seq", [("zigzag", "folded=8", 45), ("contiguous", "context=4,expert=2", 45),
                                              ("zigzag", "context=4,expert=2", 20)])
-def test_explicit_context_parallel_layouts(model, layout, spec, seq):
+def test_explicit_context_parallel_layouts(model, reference_forward, layout, spec, seq):
     """The shard_map CP attention (all-gathered key side, padded, zigzag or contiguous) equals the
     single-device forward, including lengths below index_topk and not divisible by 2N."""
-    ids = jnp.asarray(np.random.default_rng(seq).integers(0, CFG.vocab_size, (1, seq)), jnp.int32)
-    graphdef, state = nnx.split(model)
-    h_ref, topk_ref = jax.jit(lambda st, x: nnx.merge(graphdef, st).hidden_states(x, return_topk=True))(state, ids)
+    h_ref, topk_ref = reference_forward(seq)
     mesh_spec, mesh = _mesh(spec)
     opts = dataclasses.replace(OPTS, context_parallel=layout)
     with axis_rules(mesh_spec.rules()):
         state = nnx.state(place_model(model, mesh))
         # Same parameters, other run-time options: the options live in the graph definition.
         graphdef = nnx.graphdef(nnx.eval_shape(lambda: GlmMoeDsa(CFG, opts, rngs=fast_rngs())))
-        run = jax.jit(lambda st, x: nnx.merge(graphdef, st).hidden_states(x, return_topk=True))
         with jax.set_mesh(mesh):
-            h, topk = run(state, ids)
-            jaxpr = str(jax.make_jaxpr(run)(state, ids))
+            h, topk = _hidden_jit(graphdef, state, _ids(seq))
+            jaxpr = str(jax.make_jaxpr(_hidden, static_argnums=0)(graphdef, state, _ids(seq)))
     assert "all_gather" in jaxpr and "shard_map" in jaxpr  # the explicit path ran
     np.testing.assert_allclose(np.asarray(h), np.asarray(h_ref), rtol=1e-5, atol=1e-5)
-    got, want = np.asarray(topk[0]), np.asarray(topk_ref[0])
-    assert got.shape == want.shape == (1, seq, min(CFG.index_topk, seq))
-    for q in range(seq):
-        assert set(got[0, q][got[0, q] >= 0]) == set(want[0, q][want[0, q] >= 0]), q
+    assert topk[0].shape == (1, seq, min(CFG.index_topk, seq))
+    _assert_same_topk_sets(topk[0], topk_ref[0])
 
 
 @pytest.mark.parametrize("spec", MESHES)
-def test_whole_prompt_prefill_is_context_parallel_and_matches_chunked(model, spec):
+def test_whole_prompt_prefill_is_context_parallel_and_matches_chunked(model, prompt, reference_sampling, spec):
     """The sampler's `whole` prefill on a mesh (one explicit-CP forward that also emits the cache)
     gives the single-device chunked prefill's cache and h_last, with slots sharded 1/N, and the
     same greedy continuation."""
-    prompt = np.random.default_rng(11).integers(0, CFG.vocab_size, P).tolist()
-    params = SamplingParams(num_samples=G, max_new_tokens=R, temperature=0.0)
-    quiet = dict(chunk_size=16, capacity_multiple=16, progress=lambda *a: None)
-    chunked = Sampler(model, **quiet)
-    ref_cache, ref_h, _ = chunked.prefill(prompt, 64)
-    ref = chunked.sample(prompt, params)
+    ref_cache, ref_h, ref = reference_sampling
     mesh_spec, mesh = _mesh(spec)
     with axis_rules(mesh_spec.rules()):
-        sampler = Sampler(place_model(model, mesh), prefill_mode="whole", **quiet)
+        sampler = Sampler(place_model(model, mesh), prefill_mode="whole", **QUIET)
         with jax.set_mesh(mesh):
-            cache, h_last, _ = sampler.prefill(prompt, 64)
+            cache, h_last, _ = sampler.prefill(prompt, CAPACITY)
             assert sampler.prefill_calls == 1  # one program for the whole prompt
-            jaxpr = str(jax.make_jaxpr(lambda st, ids: nnx.merge(sampler.graphdef, st).prefill(ids, 64))(
+            jaxpr = str(jax.make_jaxpr(lambda st, ids: nnx.merge(sampler.graphdef, st).prefill(ids, CAPACITY))(
                 sampler.state, jnp.asarray(prompt, jnp.int32)[None]))
             assert "shard_map" in jaxpr and "all_gather" in jaxpr  # the explicit CP forward ran
             sampler.prefix_cache.clear()
-            out = sampler.sample(prompt, params)
+            out = sampler.sample(prompt, GREEDY)
     assert int(cache.length) == P
     np.testing.assert_allclose(np.asarray(h_last), np.asarray(ref_h), rtol=1e-5, atol=1e-5)
     for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(ref_cache)):
         assert got.shape == want.shape and got.dtype == want.dtype
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    seq_ways = mesh.shape["cp_ep"] if spec.startswith("folded") else mesh.shape["context"]
-    for stack in (a for a in (*cache.c_kv, *cache.k_rope, *cache.index_k) if a.size):
-        assert {s.data.shape[3] for s in stack.addressable_shards} == {64 // seq_ways}, stack.sharding
+    _assert_cache_slots_sharded(cache, mesh, spec)
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     np.testing.assert_allclose(out.logprobs, ref.logprobs, rtol=1e-5, atol=1e-5)

@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
@@ -17,8 +18,10 @@ from glm52_jax.rollout.tokenizer import default_tokenizer_path
 def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("gen") / "tiny"
     cfg = glm52_jax.tiny(num_hidden_layers=2, indexer_types=("full", "shared"))
-    glm52_jax.save_pretrained(glm52_jax.GlmMoeDsa(cfg, glm52_jax.ModelOptions(param_dtype=jnp.float32),
-                                                  rngs=nnx.Rngs(0)), path)
+    # rbg keys: their random draws compile fast on XLA:CPU (eager init compiles every op once).
+    rngs = nnx.Rngs(jax.random.key(0, impl="rbg"))
+    glm52_jax.save_pretrained(glm52_jax.GlmMoeDsa(cfg, glm52_jax.ModelOptions(param_dtype=jnp.float32), rngs=rngs),
+                              path)
     shutil.copy(default_tokenizer_path(), path / "tokenizer.json")
     return path
 

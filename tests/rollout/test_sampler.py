@@ -1,4 +1,11 @@
-"""Sampler: teacher-forced consistency, greedy parity with HF generate, prefix reuse, seeds, errors."""
+"""Sampler: teacher-forced consistency, greedy parity with HF generate, prefix reuse, seeds, errors.
+
+One model (a random HF model loaded into ours) and one sampler serve every test; prompt lengths
+are 29 or 45 (so every prefill compiles only the 16-token chunk and the 13-token tail) and the
+sampling settings repeat, so the whole file compiles a handful of decode programs.
+"""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -18,16 +25,35 @@ from glm52_jax.rollout.sampler import FINISH_LENGTH, FINISH_STOP, PAD_TOKEN, Sam
 OPTS = glm52_jax.ModelOptions(param_dtype=jnp.float32, indexer_query_block=16, indexer_key_block=16,
                               attention_query_block=8)
 CFG = config.tiny()  # index_topk 32, IndexShare layers
+SHORT, LONG = 29, 45  # prompt lengths below and above index_topk; both end in a 13-token chunk
+GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0)
+SAMPLED = SamplingParams(max_new_tokens=5, num_samples=4, seed=1)
+FORCED = SamplingParams(max_new_tokens=7, num_samples=2, temperature=1.0)  # with forced_tokens
 
 
 @pytest.fixture(scope="module")
-def model():
-    return glm52_jax.GlmMoeDsa(CFG, OPTS, rngs=nnx.Rngs(0))
+def hf_model():
+    return random_hf_model(CFG, seed=4)
+
+
+@pytest.fixture(scope="module")
+def model(hf_model, tmp_path_factory):
+    """Ours, loaded from the HF model's checkpoint (the same weights HF generates with)."""
+    return glm52_jax.load_pretrained(save_hf(hf_model, tmp_path_factory.mktemp("hf")), dtype=jnp.float32,
+                                     options=OPTS)
 
 
 @pytest.fixture(scope="module")
 def shared_sampler(model):
     return Sampler(model, chunk_size=16, capacity_multiple=64)
+
+
+@pytest.fixture(scope="module")
+def logprobs_fn(model):
+    """Jitted `token_logprobs` (one compile per shape instead of an op-by-op forward)."""
+    graphdef, state = nnx.split(model)
+    run = jax.jit(lambda st, ids: glm52_jax.token_logprobs(nnx.merge(graphdef, st), ids))
+    return lambda ids: np.asarray(run(state, ids))
 
 
 @pytest.fixture
@@ -42,53 +68,56 @@ def _prompt(n, seed=0):
     return [int(t) for t in np.random.default_rng(seed).integers(0, CFG.vocab_size, n)]
 
 
-@pytest.mark.parametrize("prompt_len", [20, 45])
-def test_teacher_forced_logprobs_match_token_logprobs(model, sampler, prompt_len):
+def _forced(seed, params=FORCED):
+    return np.random.default_rng(seed).integers(0, CFG.vocab_size, (params.num_samples, params.max_new_tokens))
+
+
+def _last_hidden(sampler, prompt):
+    """h of the prompt's last token, [1,D], through the sampler's own (already compiled) prefill."""
+    return sampler.prefill(prompt, 64)[1]
+
+
+@pytest.mark.parametrize("prompt_len", [SHORT, LONG])
+def test_teacher_forced_logprobs_match_token_logprobs(sampler, logprobs_fn, prompt_len):
     prompt = _prompt(prompt_len)
-    forced = np.random.default_rng(1).integers(0, CFG.vocab_size, (2, 7))
-    res = sampler.sample(prompt, SamplingParams(max_new_tokens=7, num_samples=2, temperature=1.0),
-                         forced_tokens=forced)
+    forced = _forced(1)
+    res = sampler.sample(prompt, FORCED, forced_tokens=forced)
     ids = jnp.asarray(np.concatenate([np.tile(prompt, (2, 1)), forced], 1), jnp.int32)
-    ref = np.asarray(glm52_jax.token_logprobs(model, ids))[:, prompt_len - 1:]
+    ref = logprobs_fn(ids)[:, prompt_len - 1:]
     np.testing.assert_array_equal(res.tokens, forced)
     np.testing.assert_allclose(res.logprobs, ref, atol=1e-5, rtol=0)
 
 
 def test_temperature_scales_old_logprobs(model, sampler):
-    prompt = _prompt(30)
-    forced = np.random.default_rng(2).integers(0, CFG.vocab_size, (1, 3))
-    base = sampler.sample(prompt, SamplingParams(max_new_tokens=3, temperature=1.0), forced_tokens=forced)
-    hot = sampler.sample(prompt, SamplingParams(max_new_tokens=3, temperature=0.5), forced_tokens=forced)
-    h = np.asarray(sampler._prefill_chunk(sampler.state, jnp.asarray(prompt, jnp.int32)[None],
-                                          model.init_cache(1, 64))[0][:, -1])
-    logits = np.asarray(model.logits(jnp.asarray(h)))[0] / 0.5
-    expect = logits[forced[0, 0]] - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
-    assert abs(hot.logprobs[0, 0] - expect) < 1e-5
+    prompt = _prompt(SHORT)
+    forced = _forced(2)
+    base = sampler.sample(prompt, FORCED, forced_tokens=forced)
+    hot = sampler.sample(prompt, dataclasses.replace(FORCED, temperature=0.5), forced_tokens=forced)
+    logits = np.asarray(model.logits(_last_hidden(sampler, prompt)))[0] / 0.5
+    expect = logits[forced[:, 0]] - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+    np.testing.assert_allclose(hot.logprobs[:, 0], expect, rtol=0, atol=1e-5)
     assert not np.allclose(hot.logprobs, base.logprobs)
 
 
-def test_greedy_matches_hf_generate(tmp_path):
-    hf_model = random_hf_model(CFG, seed=4)
-    ckpt = save_hf(hf_model, tmp_path / "hf")
-    prompt = _prompt(40, seed=5)  # longer than index_topk
+def test_greedy_matches_hf_generate(hf_model, sampler):
+    prompt = _prompt(LONG, seed=5)  # longer than index_topk
+    n = GREEDY.max_new_tokens
     # An explicit attention mask: HF would otherwise treat prompt tokens equal to pad_token_id as padding.
-    gen_cfg = transformers.GenerationConfig(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=6)
+    gen_cfg = transformers.GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=6)
     with torch.no_grad():
-        ref = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 40, dtype=torch.long),
-                                generation_config=gen_cfg)[0, 40:].numpy()
-    assert len(ref) == 16
-    ours = glm52_jax.load_pretrained(ckpt, dtype=jnp.float32, options=OPTS)
-    res = Sampler(ours, chunk_size=16, capacity_multiple=64).sample(
-        prompt, SamplingParams(max_new_tokens=16, temperature=0.0))
+        ref = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, LONG, dtype=torch.long),
+                                generation_config=gen_cfg)[0, LONG:].numpy()
+    assert len(ref) == n
+    res = sampler.sample(prompt, GREEDY)
     assert res.tokens[0].tolist() == ref.tolist()
     assert res.finish_reasons == [FINISH_LENGTH]
 
 
 def test_prefix_reuse_is_bit_identical_to_cold(sampler):
     shared = _prompt(48, seed=6)
-    first = shared + _prompt(5, seed=7)
-    second = shared + _prompt(5, seed=8)
-    params = SamplingParams(max_new_tokens=6, num_samples=3, seed=11)
+    first = shared + _prompt(13, seed=7)  # three whole 16-token chunks shared, then a 13-token tail
+    second = shared + _prompt(13, seed=8)
+    params = dataclasses.replace(SAMPLED, seed=11)
     cold = sampler.sample(second, params)
     assert cold.prefix_hit_tokens == 0
     sampler.prefix_cache.clear()
@@ -106,24 +135,23 @@ def test_whole_prompt_prefill_matches_chunked(model, sampler):
     """`prefill_mode="whole"`: one uncached forward that also emits the cache (3 full + shared
     layers, prompt 45 > index_topk) equals the chunked prefill; a warm prompt continues in chunks."""
     whole = Sampler(model, chunk_size=16, capacity_multiple=64, prefill_mode="whole")
-    prompt = _prompt(45, seed=12)
+    prompt = _prompt(LONG, seed=12)
     want_cache, want_h, _ = sampler.prefill(prompt, 64)
     cache, h_last, hit = whole.prefill(prompt, 64)
-    assert hit == 0 and whole.prefill_calls == 1 and int(cache.length) == 45
+    assert hit == 0 and whole.prefill_calls == 1 and int(cache.length) == LONG
     np.testing.assert_allclose(np.asarray(h_last), np.asarray(want_h), rtol=1e-5, atol=1e-5)
     for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(want_cache)):
         assert got.shape == want.shape and got.dtype == want.dtype
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    assert not np.asarray(cache.c_kv[0])[..., 45:, :].any()  # unused slots stay empty
-    params = SamplingParams(max_new_tokens=5, num_samples=2, seed=3)
-    forced = np.random.default_rng(4).integers(0, CFG.vocab_size, (2, 5))
-    ref = sampler.sample(prompt, params, forced_tokens=forced)
+    assert not np.asarray(cache.c_kv[0])[..., LONG:, :].any()  # unused slots stay empty
+    forced = _forced(4)
+    ref = sampler.sample(prompt, FORCED, forced_tokens=forced)
     whole.prefix_cache.clear()
-    got = whole.sample(prompt, params, forced_tokens=forced)
+    got = whole.sample(prompt, FORCED, forced_tokens=forced)
     np.testing.assert_allclose(got.logprobs, ref.logprobs, rtol=0, atol=1e-5)
     # A prompt sharing 32 tokens (two whole chunks) reuses them and runs only its tail chunk.
     calls = whole.prefill_calls
-    warm = whole.sample(prompt[:40] + _prompt(6, seed=13), params)
+    warm = whole.sample(prompt[:40] + _prompt(LONG - 40, seed=13), SAMPLED)
     assert warm.prefix_hit_tokens == 32 and whole.prefill_calls - calls == 1
     with pytest.raises(ValueError, match="prefill_mode"):
         Sampler(model, prefill_mode="stream")
@@ -135,22 +163,22 @@ def test_prefix_cache_is_bounded(model, sampler):
     one = model.init_cache(1, 64).nbytes()
     sampler.prefix_cache = PrefixCache(max_bytes=2 * one)
     for seed in range(4):
-        sampler.sample(_prompt(20, seed=100 + seed), SamplingParams(max_new_tokens=1, temperature=0.0))
+        sampler.sample(_prompt(SHORT, seed=100 + seed), GREEDY)
     assert len(sampler.prefix_cache) == 2 and sampler.prefix_cache.nbytes <= 2 * one
     assert sampler.prefix_cache.evictions == 2
 
 
 def test_sampling_changes_no_parameter(model, sampler):
     before = param_inventory(model)
-    sampler.sample(_prompt(33), SamplingParams(max_new_tokens=4, num_samples=2))
+    sampler.sample(_prompt(SHORT), SAMPLED)
     assert param_inventory(model) == before
 
 
 def test_seeds(sampler):
-    prompt = _prompt(25)
-    a = sampler.sample(prompt, SamplingParams(max_new_tokens=5, num_samples=4, seed=1))
-    b = sampler.sample(prompt, SamplingParams(max_new_tokens=5, num_samples=4, seed=1))
-    c = sampler.sample(prompt, SamplingParams(max_new_tokens=5, num_samples=4, seed=2))
+    prompt = _prompt(SHORT)
+    a = sampler.sample(prompt, SAMPLED)
+    b = sampler.sample(prompt, SAMPLED)
+    c = sampler.sample(prompt, dataclasses.replace(SAMPLED, seed=2))
     np.testing.assert_array_equal(a.tokens, b.tokens)
     assert not np.array_equal(a.tokens, c.tokens)
     assert len({tuple(r) for r in a.tokens}) == 4  # samples within a request differ too
@@ -158,12 +186,11 @@ def test_seeds(sampler):
 
 def test_first_token_distribution_and_truncation(model, sampler):
     """512 one-token samples follow softmax(logits / T) restricted to the top-p nucleus."""
-    prompt = _prompt(18)
-    temperature, top_p, n = 0.05, 0.9, 512
+    prompt = _prompt(SHORT)
+    temperature, top_p, n = 0.2, 0.9, 512
     res = sampler.sample(prompt, SamplingParams(max_new_tokens=1, num_samples=n, temperature=temperature,
                                                 top_p=top_p, seed=3))
-    h = sampler._prefill_chunk(sampler.state, jnp.asarray(prompt, jnp.int32)[None], model.init_cache(1, 64))[0]
-    logits = np.asarray(model.logits(h[:, -1]))[0] / temperature
+    logits = np.asarray(model.logits(_last_hidden(sampler, prompt)))[0] / temperature
     probs = np.exp(logits - logits.max())
     probs /= probs.sum()
     order = np.argsort(-probs)
@@ -180,14 +207,14 @@ def test_first_token_distribution_and_truncation(model, sampler):
 
 
 def test_stop_tokens_end_samples(sampler):
-    prompt = _prompt(22)
-    greedy = sampler.sample(prompt, SamplingParams(max_new_tokens=6, temperature=0.0))
+    prompt = _prompt(SHORT)
+    greedy = sampler.sample(prompt, GREEDY)
     stop = int(greedy.tokens[0, 2])
     first = greedy.tokens[0].tolist().index(stop)
-    res = sampler.sample(prompt, SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=(stop,)))
+    res = sampler.sample(prompt, dataclasses.replace(GREEDY, stop_token_ids=(stop,)))
     assert res.finish_reasons == [FINISH_STOP]
     assert res.lengths[0] == first + 1
-    assert res.tokens[0, first + 1:].tolist() == [PAD_TOKEN] * (5 - first)
+    assert res.tokens[0, first + 1:].tolist() == [PAD_TOKEN] * (GREEDY.max_new_tokens - 1 - first)
     assert (res.logprobs[0, first + 1:] == 0).all()
     np.testing.assert_array_equal(res.tokens[0, :first + 1], greedy.tokens[0, :first + 1])
 
