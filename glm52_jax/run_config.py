@@ -30,7 +30,7 @@ EMBEDDED_POLICY = Path(__file__).resolve().parent / "assets" / "tiny_policy"
 SAVED_CONFIG = "config.json"
 # Keys a rerun on an existing workdir may change: how many transactions to run, and settings of
 # other modes (plan, parity) that a training run does not read. Everything else is the run itself.
-MAY_CHANGE = ("train.steps", "plan.", "parity.")
+MAY_CHANGE = ("train.steps", "plan.", "parity.", "export.")
 
 
 class ConfigError(ValueError):
@@ -206,7 +206,7 @@ class SamplingSpec(_Section):
     top_k: int = _rules(at_least(0, "0 = no top-k truncation"))
     chunk_size: int = _rules(at_least(1))
     prefill_mode: str = _rules(one_of(choices.PREFILL_MODES))
-    prefix_cache_mib: int = _rules(at_least(0))
+    prefix_cache_mib_per_device: int = _rules(at_least(0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,8 +246,13 @@ class PlanSpec(_Section):
     hbm_gib: float = _rules(number(0.0))
 
 
+@dataclasses.dataclass(frozen=True)
+class ExportSpec(_Section):
+    keep_rope_scaling: bool = _rules()
+
+
 _SECTIONS = {"model": ModelSpec, "data": DataSpec, "sampling": SamplingSpec, "search": SearchSpec,
-             "train": TrainSpec, "parity": ParitySpec, "plan": PlanSpec}
+             "train": TrainSpec, "parity": ParitySpec, "plan": PlanSpec, "export": ExportSpec}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,6 +269,7 @@ class RunSpec:
     train: TrainSpec
     parity: ParitySpec
     plan: PlanSpec
+    export: ExportSpec
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> RunSpec:

@@ -45,7 +45,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.sampling.top_k = 0  # top-k truncation; 0 = off
     c.sampling.chunk_size = 128  # prefill chunk (tokens) for chunked prefill and prefix-cache reuse
     c.sampling.prefill_mode = "chunked"  # chunked | whole (one context-parallel forward of a cold prompt)
-    c.sampling.prefix_cache_mib = 256  # budget of the sampler's prompt-KV cache (a repeated prompt reuses it)
+    # Per-device budget of the sampler's prompt-KV cache (a prompt sharing a prefix with a cached one reuses it).
+    c.sampling.prefix_cache_mib_per_device = 256
 
     c.search = ml_collections.ConfigDict()
     c.search.max_candidates = 8  # prompts tried per transaction until a group's rewards differ
@@ -67,6 +68,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.plan = ml_collections.ConfigDict()  # --mode=plan: AOT compile for the mesh, no weights
     c.plan.programs = ("prefill", "decode", "train")  # programs to compile (also: forward)
     c.plan.hbm_gib = 96.0  # per-device memory the programs must fit (H20: 96 GiB)
+
+    c.export = ml_collections.ConfigDict()  # --mode=export: PEFT adapter + merged HF checkpoint
+    # The merged checkpoint's config.json keeps the run's position extension (e.g. the 2M YaRN payload) instead of
+    # the base checkpoint's native positions. Off by default, as in the seed: the payload is a reversible run-time
+    # override, not part of the released model.
+    c.export.keep_rope_scaling = False
     return c
 
 

@@ -5,6 +5,7 @@
 # Under SLURM the GLM52_* variables are not needed (see slurm_4x8.sbatch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export GLM52_ROPE_SCALING_JSON="${GLM52_ROPE_SCALING_JSON:-$PWD/configs/glm52_2m_yarn.json}"
+# Positions: native unless GLM52_ROPE_SCALING_JSON (passed through as the caller set it, no default) or
+# --config.model.rope_scaling_json names a payload; configs/2m.py names configs/glm52_2m_yarn.json itself.
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}"
 exec .venv/bin/python -u -m glm52_jax.launch "$@"

@@ -33,11 +33,11 @@ def test_configs_override_only_what_they_change():
     changed_2m = sorted(k for k in base if base[k] != m2[k])
     assert changed_2m == ["data.dedupe", "data.prompt_tokens", "mesh", "model.checkpoint", "model.dtype",
                           "model.preset", "model.rope_scaling_json", "name", "sampling.chunk_size",
-                          "sampling.max_new_tokens", "sampling.prefill_mode", "sampling.prefix_cache_mib",
+                          "sampling.max_new_tokens", "sampling.prefill_mode", "sampling.prefix_cache_mib_per_device",
                           "train.learning_rate"], changed_2m
     assert sorted(k for k in m2 if m2[k] != parity[k]) == ["data.prompt_tokens", "model.rope_scaling_json", "name",
                                                           "sampling.chunk_size", "sampling.prefill_mode",
-                                                          "sampling.prefix_cache_mib"]
+                                                          "sampling.prefix_cache_mib_per_device"]
 
 
 def test_the_spec_and_the_launcher_start_without_jax():

@@ -407,8 +407,12 @@ def _hf_tensors(model: GlmMoeDsa) -> list[tuple[str, LazyTensor]]:
     return out
 
 
-def save_pretrained(model: GlmMoeDsa, path: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30) -> None:
+def save_pretrained(model: GlmMoeDsa, path: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30,
+                    config: ModelConfig | None = None) -> None:
     """Writes `config.json` and safetensors (per-expert names) that HF transformers loads.
+
+    `config` is what config.json records (default: the model's own); it must describe the same
+    weights, e.g. the model's config with its native positions instead of a run-time YaRN override.
 
     Files are written into a temporary directory beside `path` and moved in only when all are
     complete, so an interrupted save leaves any previous checkpoint intact.
@@ -430,7 +434,7 @@ def save_pretrained(model: GlmMoeDsa, path: str | os.PathLike, *, max_shard_byte
         size += nbytes
     tmp = tempfile.mkdtemp(prefix=".glm52-save-", dir=parent)
     try:
-        model.cfg.save_json(os.path.join(tmp, "config.json"))
+        (model.cfg if config is None else config).save_json(os.path.join(tmp, "config.json"))
         if len(shards) == 1:
             write_safetensors(os.path.join(tmp, SINGLE_FILE), shards[0])
             names = [SINGLE_FILE]

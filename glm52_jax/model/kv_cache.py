@@ -10,7 +10,10 @@ layer segments so a segment's scan slices its cache with the same leading axes:
     index_k[s]: [repeats, full_slots_in_unit, B, Cap, I]   (size 0 on that axis if none)
 
 Slots `>= length` are unused; their position is their slot index, which causality already hides
-from every query at a smaller position, so no extra mask is needed.
+from every query at a smaller position, so no extra mask is needed. That also makes padding safe:
+a cache may have more slots than the model has positions (`slot_capacity` rounds up so that the
+devices sharding the slot axis divide it), because slots past the last written token are never
+attended, and the sampler refuses prompt + new tokens beyond the position limit.
 """
 
 from __future__ import annotations
@@ -44,20 +47,60 @@ class KVCache:
         return self.c_kv[0].shape[2]
 
     def nbytes(self) -> int:
+        """Bytes of the whole (global) cache."""
         return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((self.c_kv, self.k_rope, self.index_k)))
+
+    def device_nbytes(self) -> int:
+        """Bytes one device holds (the largest share; the whole cache when it is not sharded)."""
+        total = 0
+        for a in jax.tree.leaves((self.c_kv, self.k_rope, self.index_k)):
+            shards = getattr(a, "addressable_shards", None)
+            total += max(s.data.nbytes for s in shards) if shards else a.size * a.dtype.itemsize
+        return total
+
+
+def slot_capacity(tokens: int, multiple: int, ways: int = 1) -> int:
+    """Cache slots for `tokens` (prompt + new): rounded up to a multiple of lcm(`multiple`, `ways`).
+
+    Not capped at the position limit: the devices sharding the slot axis (`ways`) must divide
+    it (jit rejects an unevenly sharded input), and slots past the last position are padding that
+    no query attends (module docstring). E.g. 2,097,152 + 16 tokens on 32 slot shards: 2,097,408.
+    """
+    if tokens <= 0 or multiple <= 0 or ways <= 0:
+        raise ValueError(f"slot_capacity needs positive arguments, got {tokens}, {multiple}, {ways}")
+    step = math.lcm(multiple, ways)
+    return -(-tokens // step) * step
+
+
+def slot_ways() -> int:
+    """Devices the current mesh (if any) and rules split the cache's slot axis over (1 outside a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    part = logical_to_spec(CACHE_AXES, mesh_axes=mesh.axis_names)[3]
+    names = () if part is None else (part,) if isinstance(part, str) else tuple(part)
+    return math.prod(mesh.shape[n] for n in names)
 
 
 def init_cache(cfg: ModelConfig, segments, batch: int, capacity: int, dtype=jnp.bfloat16) -> KVCache:
-    """An empty cache for `batch` sequences of up to `capacity` tokens (`segments` from the model)."""
+    """An empty cache for `batch` sequences of up to `capacity` tokens (`segments` from the model).
+
+    Each array carries the cache's logical sharding: traced under a mesh (the sampler builds it
+    inside jit), every device allocates only its slots, never a replicated whole cache.
+    """
     if capacity <= 0 or batch <= 0:
         raise ValueError(f"cache batch and capacity must be positive, got batch={batch} capacity={capacity}")
     c_kv, k_rope, index_k = [], [], []
+
+    def zeros(shape, dt):
+        return constrain(jnp.zeros(shape, dt), CACHE_AXES)
+
     for seg in segments:
         n = len(seg.unit)
         full = sum(1 for kind in seg.unit if kind[1] == "full")
-        c_kv.append(jnp.zeros((seg.repeats, n, batch, capacity, cfg.kv_lora_rank), dtype))
-        k_rope.append(jnp.zeros((seg.repeats, n, batch, capacity, cfg.qk_rope_head_dim), dtype))
-        index_k.append(jnp.zeros((seg.repeats, full, batch, capacity, cfg.index_head_dim), jnp.float32))
+        c_kv.append(zeros((seg.repeats, n, batch, capacity, cfg.kv_lora_rank), dtype))
+        k_rope.append(zeros((seg.repeats, n, batch, capacity, cfg.qk_rope_head_dim), dtype))
+        index_k.append(zeros((seg.repeats, full, batch, capacity, cfg.index_head_dim), jnp.float32))
     return KVCache(tuple(c_kv), tuple(k_rope), tuple(index_k), jnp.zeros((), jnp.int32))
 
 
@@ -107,16 +150,6 @@ class LayerCacheView:
         return self.c_kv.shape[-2]
 
 
-def _slots_sharded() -> bool:
-    """Whether the current mesh (if any) splits the cache's slot axis over more than one device."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return False
-    part = logical_to_spec(CACHE_AXES, mesh_axes=mesh.axis_names)[3]
-    names = () if part is None else (part,) if isinstance(part, str) else tuple(part)
-    return math.prod(mesh.shape[n] for n in names) > 1
-
-
 def write_chunk(cache: KVCache, new_c, new_r, new_i, seq: int) -> KVCache:
     """Writes a chunk's entries (per segment [repeats, U|F, B, S, *]) at slot `length`; length += S.
 
@@ -124,7 +157,7 @@ def write_chunk(cache: KVCache, new_c, new_r, new_i, seq: int) -> KVCache:
     donated, XLA updates it in place instead of copying the whole cache per layer.
     """
 
-    sharded = _slots_sharded()
+    sharded = slot_ways() > 1
 
     def put(stack, chunk):
         chunk = chunk.astype(stack.dtype)

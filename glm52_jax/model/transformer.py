@@ -289,10 +289,12 @@ class GlmMoeDsa(nnx.Module):
         return h, produced, cache, ((new_c, new_r, new_i) if emit_entries else None)
 
     def init_cache(self, batch: int, capacity: int, dtype=None) -> KVCache:
-        """An empty decode cache (dtype defaults to the parameter dtype)."""
-        if capacity > self.cfg.max_position_embeddings:
-            raise ValueError(f"cache capacity {capacity} exceeds max_position_embeddings "
-                             f"{self.cfg.max_position_embeddings}")
+        """An empty decode cache (dtype defaults to the parameter dtype).
+
+        `capacity` may exceed max_position_embeddings: the extra slots are padding that lets the
+        devices sharding the slot axis divide it (`kv_cache.slot_capacity`); they are never written
+        or attended, since whoever decodes keeps prompt + new tokens within the position limit.
+        """
         return init_cache(self.cfg, self.segments_plan, batch, capacity, dtype or self.opts.param_dtype)
 
     def logits(self, h: jax.Array) -> jax.Array:

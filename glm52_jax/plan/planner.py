@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 
 from glm52_jax import choices
+from glm52_jax.model.kv_cache import slot_capacity
 from glm52_jax.model.options import ModelOptions
 from glm52_jax.parallel.rules import axis_rules
 from glm52_jax.plan.abstract import abstract_model, tree_bytes, ways
-from glm52_jax.plan.capacity import plan_capacity
 from glm52_jax.plan.devices import check_device_count
 from glm52_jax.plan.measure import measure
 from glm52_jax.plan.programs import BUILDERS, PlanSetup
@@ -71,14 +71,13 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
         if prompt_tokens + max_new_tokens > model_cfg.max_position_embeddings:
             raise ValueError(f"plan: prompt_tokens + max_new_tokens = {prompt_tokens + max_new_tokens} exceeds "
                              f"max_position_embeddings {model_cfg.max_position_embeddings} (apply rope scaling first)")
-        capacity, planned_capacity, issue = plan_capacity(prompt_tokens, max_new_tokens,
-                                                          model_cfg.max_position_embeddings, capacity_multiple,
-                                                          ways(mesh, "seq"))
+        # The sampler's own rule (Sampler.capacity_for): padded so the slot shards divide it.
+        capacity = slot_capacity(prompt_tokens + max_new_tokens, capacity_multiple, ways(mesh, "seq"))
         graphdef, state = abstract_model(model_cfg, opts, mesh)
         setup = PlanSetup(model_cfg, opts, mesh, graphdef, state, prompt_tokens, max_new_tokens, num_samples,
-                          chunk_size, prefill_mode, planned_capacity, gradient_mode, logprob_chunk, donate_cache)
-        report = static_report(setup, mesh_spec, capacity, lora, dtype)
-        report["issues"] = [issue] if issue else []
+                          chunk_size, prefill_mode, capacity, gradient_mode, logprob_chunk, donate_cache)
+        report = static_report(setup, mesh_spec, lora, dtype)
+        report["issues"] = []
         report["notes"] = list(NOTES)
         report["programs"] = {}
         for name in programs:

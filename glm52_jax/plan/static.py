@@ -32,7 +32,7 @@ def indexer_analytic(s: PlanSetup) -> dict[str, Any]:
     }
 
 
-def static_report(s: PlanSetup, mesh_spec, sampler_cap: int, lora, dtype) -> dict[str, Any]:
+def static_report(s: PlanSetup, mesh_spec, lora, dtype) -> dict[str, Any]:
     """{"mesh", "shapes", "model", "indexer_analytic", "cache"} of a plan report."""
     _, lora_state, base = nnx.split(nnx.merge(s.graphdef, s.state), LoRA, ...)
     cache1, cache_g = s.cache(1), s.cache(s.num_samples)
@@ -43,7 +43,6 @@ def static_report(s: PlanSetup, mesh_spec, sampler_cap: int, lora, dtype) -> dic
                  "seq_shards": ways(s.mesh, "seq"), "expert_shards": ways(s.mesh, "experts")},
         "shapes": {"prompt_tokens": s.prompt_tokens, "max_new_tokens": s.max_new_tokens,
                    "num_samples": s.num_samples, "chunk_size": s.chunk_size, "prefill_mode": s.prefill_mode,
-                   "sampler_capacity": sampler_cap,
                    "planned_capacity": s.capacity, "gradient_mode": s.gradient_mode, "dtype": str(dtype),
                    "logprob_chunk": s.logprob_chunk, "donate_cache": s.donate_cache,
                    "lora": None if lora is None else {"rank": lora.rank, "alpha": lora.alpha,

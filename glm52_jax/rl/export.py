@@ -4,7 +4,9 @@
 
 writes DIR (default RUN/export/step_<k>) with
     peft/     adapter_model.safetensors + adapter_config.json (loads with peft onto HF GLM-MoE-DSA)
-    merged/   config.json + safetensors of the base with the adapters merged (HF transformers loads it)
+    merged/   config.json + safetensors of the base with the adapters merged (HF transformers loads it);
+              config.json has the base checkpoint's native positions unless `export.keep_rope_scaling`
+              (a run's YaRN payload is a run-time override, as in the seed, not part of the model)
     export.json  step, base model, config hash, files with sha256
 
 The run's settings come from RUN/config.json (saved when the run started), because the base model
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from glm52_jax.evidence.hashing import sha256_file
-from glm52_jax.rl.inputs import resolve
+from glm52_jax.rl.inputs import native_model_config, resolve
 from glm52_jax.rl.policy import build_policy
 from glm52_jax.run_config import ConfigError, RunSpec
 
@@ -51,10 +53,13 @@ def export_run(spec: RunSpec, workdir: str | os.PathLike, *, export_dir: str | o
     out = Path(export_dir) if export_dir is not None else workdir / "export" / f"step_{step}"
     out.mkdir(parents=True, exist_ok=True)
     save_peft_adapter(model, out / "peft", base_model_name_or_path=spec.model.base_name)
+    positions = "run" if spec.export.keep_rope_scaling or inputs.rope_scaling is None else "native"
     if merged:
-        save_pretrained(merge_lora(model), out / "merged")
+        written_cfg = model.cfg if positions == "run" else native_model_config(spec.model)[0]
+        save_pretrained(merge_lora(model), out / "merged", config=written_cfg)
     files = sorted(p for p in out.rglob("*") if p.is_file() and p.name != "export.json")
     record = {"step": step, "base": spec.model.base_name, "config_sha256": spec.resume_sha256(),
+              "merged_positions": positions,
               "files": [{"path": p.relative_to(out).as_posix(), "bytes": p.stat().st_size, "sha256": sha256_file(p)}
                         for p in files]}
     atomic_write_json(out / "export.json", record)

@@ -37,8 +37,8 @@ def rope_scaling(model: ModelSpec):
         raise ConfigError(f"{source}: {e}") from None
 
 
-def model_config(model: ModelSpec, *, preset_without_checkpoint: bool = False):
-    """(ModelConfig with the rope scaling applied, RopeScaling | None, scaling source, where the config came from).
+def native_model_config(model: ModelSpec, *, preset_without_checkpoint: bool = False):
+    """(ModelConfig with the checkpoint's native positions, where it came from).
 
     The checkpoint's config.json; the preset for `checkpoint="random"`, or (plan mode,
     `preset_without_checkpoint`) when the checkpoint is not on this machine.
@@ -47,12 +47,16 @@ def model_config(model: ModelSpec, *, preset_without_checkpoint: bool = False):
 
     path = model.checkpoint_path
     if path is not None and (path / "config.json").is_file():
-        cfg, source = config_lib.ModelConfig.from_json_file(path / "config.json"), str(path)
-    elif path is None or preset_without_checkpoint:
-        cfg, source = config_lib.PRESETS[model.preset](), f"preset:{model.preset}"
-    else:
-        raise ConfigError(f"--config.model.checkpoint={model.checkpoint}: no config.json in {str(path)!r} "
-                          "(expected an HF checkpoint directory)")
+        return config_lib.ModelConfig.from_json_file(path / "config.json"), str(path)
+    if path is None or preset_without_checkpoint:
+        return config_lib.PRESETS[model.preset](), f"preset:{model.preset}"
+    raise ConfigError(f"--config.model.checkpoint={model.checkpoint}: no config.json in {str(path)!r} "
+                      "(expected an HF checkpoint directory)")
+
+
+def model_config(model: ModelSpec, *, preset_without_checkpoint: bool = False):
+    """(ModelConfig with the rope scaling applied, RopeScaling | None, scaling source, where the config came from)."""
+    cfg, source = native_model_config(model, preset_without_checkpoint=preset_without_checkpoint)
     scaling, scaling_source = rope_scaling(model)
     if scaling is not None:
         try:

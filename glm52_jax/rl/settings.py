@@ -52,5 +52,5 @@ def sampler(sampling: SamplingSpec, model, progress: Callable | None = None):
     """The policy sampler over `model` with the spec's chunking, cache budget and prefill mode."""
     from glm52_jax.rollout.sampler import Sampler
 
-    return Sampler(model, chunk_size=sampling.chunk_size, prefix_cache_bytes=sampling.prefix_cache_mib << 20,
+    return Sampler(model, chunk_size=sampling.chunk_size, prefix_cache_bytes=sampling.prefix_cache_mib_per_device << 20,
                    progress=progress or (lambda *a: None), prefill_mode=sampling.prefill_mode)

@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from glm52_jax import choices
-from glm52_jax.model.kv_cache import KVCache, broadcast_batch
+from glm52_jax.model.kv_cache import KVCache, broadcast_batch, slot_capacity, slot_ways
 from glm52_jax.model.transformer import GlmMoeDsa
 from glm52_jax.rollout.cache import PrefixCache, fit_capacity
 
@@ -195,6 +195,8 @@ class Sampler:
 
         self._prefill_chunk = jax.jit(chunk, compiler_options=CACHE_COMPILER_OPTIONS)
         self._prefill_whole = jax.jit(whole, static_argnames=("capacity",))
+        # Built inside jit so that, under a mesh, each device allocates only its share of the slots.
+        self._empty_cache = jax.jit(lambda capacity: model.init_cache(1, capacity), static_argnums=0)
         self._decode = jax.jit(decode, static_argnames=("steps", "temperature", "top_k", "top_p", "stop_ids"),
                                compiler_options=CACHE_COMPILER_OPTIONS)
 
@@ -206,9 +208,9 @@ class Sampler:
         self.prefix_cache.clear()
 
     def capacity_for(self, prompt_len: int, max_new_tokens: int) -> int:
-        need = prompt_len + max_new_tokens
-        cap = -(-need // self.capacity_multiple) * self.capacity_multiple
-        return min(cap, self.cfg.max_position_embeddings)
+        """Cache slots for a request: prompt + new tokens rounded up so that `capacity_multiple` and the
+        devices sharding the slots under the current mesh divide it (may pass the position limit: padding)."""
+        return slot_capacity(prompt_len + max_new_tokens, self.capacity_multiple, slot_ways())
 
     def sample(self, prompt_ids: Sequence[int], params: SamplingParams, *,
                forced_tokens: np.ndarray | None = None) -> SampleResult:
@@ -252,22 +254,21 @@ class Sampler:
         # Reuse at most len-1 tokens (the last one must run to give h_last), and only whole chunks,
         # so the recomputed chunks are exactly those of a cold run.
         hit_len, cache = self.prefix_cache.lookup(prompt, limit=len(prompt) - 1, multiple=self.chunk_size)
-        if cache is None:
-            cache = self.model.init_cache(1, capacity)
-            hit_len = 0
-        else:
-            cache = fit_capacity(cache, capacity)
         total = len(prompt)
-        done = hit_len
         start = time.perf_counter()
-        h_last = None
-        if self.prefill_mode == "whole" and done == 0:
+        if self.prefill_mode == "whole" and cache is None:  # emits its own cache: no empty one to build
             h_last, cache = self._prefill_whole(self.state, jnp.asarray(prompt, jnp.int32)[None], capacity)
             self.prefill_calls += 1
             rate = total / max(time.perf_counter() - start, 1e-9)
             self.progress(total, total, rate, 0.0)
             self.prefix_cache.insert(prompt, cache)
             return cache, h_last, 0
+        if cache is None:
+            cache, hit_len = self._empty_cache(capacity), 0
+        else:
+            cache = fit_capacity(cache, capacity)
+        done = hit_len
+        h_last = None
         while done < total:
             end = min(total, (done // self.chunk_size + 1) * self.chunk_size)
             ids = jnp.asarray(prompt[done:end], jnp.int32)[None]

@@ -194,6 +194,41 @@ def test_greedy_decode_matches_and_cache_is_sharded(model, prompt, reference_sam
     _assert_cache_slots_sharded(cache, mesh, spec)
 
 
+def _replicated_new_arrays(before: set[int], min_bytes: int) -> list[str]:
+    """Arrays created since `before` (ids of live arrays) that live whole on every device of a multi-device mesh."""
+    return [f"{a.shape} {a.dtype} {a.sharding}" for a in jax.live_arrays()
+            if id(a) not in before and len(a.sharding.device_set) > 1 and a.sharding.is_fully_replicated
+            and a.size * a.dtype.itemsize >= min_bytes]
+
+
+def test_cache_padded_for_the_slot_shards_at_the_position_limit(model, prompt, reference_sampling):
+    """The rehearsal's shape: prompt + new tokens = the position limit (51), which 8 slot shards do not
+    divide. The sampler pads the cache to 56 slots (7 per device) without moving the limit (52 tokens are
+    still refused), creates it sharded (no new array lives whole on every device) and decodes what one
+    device decodes without padding."""
+    ref = reference_sampling[2]
+    limited = GlmMoeDsa(dataclasses.replace(CFG, max_position_embeddings=P + R), OPTS, rngs=fast_rngs())
+    nnx.update(limited, nnx.state(model))  # the same weights, 51 positions
+    mesh_spec, mesh = _mesh("folded=8")
+    with axis_rules(mesh_spec.rules()):
+        sampler = Sampler(place_model(limited, mesh), **dict(QUIET, capacity_multiple=1))
+        with jax.set_mesh(mesh):
+            before = {id(a) for a in jax.live_arrays()}
+            assert sampler.capacity_for(P, R) == 56
+            cache, _, _ = sampler.prefill(prompt, sampler.capacity_for(P, R))
+            out = sampler.sample(prompt, GREEDY)
+            replicated = _replicated_new_arrays(before, min_bytes=1024)
+            with pytest.raises(ValueError, match="exceeds the position capacity max_position_embeddings=51"):
+                sampler.sample(prompt + [1], GREEDY)
+    assert Sampler(limited, **dict(QUIET, capacity_multiple=1)).capacity_for(P, R) == 51  # one device: no padding
+    assert not replicated, replicated
+    assert cache.capacity == 56 and int(cache.length) == P
+    for stack in (*cache.c_kv, *cache.k_rope):
+        assert {sh.data.shape[3] for sh in stack.addressable_shards} == {7}, stack.sharding
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    np.testing.assert_allclose(out.logprobs, ref.logprobs, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("layout,spec,seq", [("zigzag", "folded=8", 45), ("contiguous", "context=4,expert=2", 45),
                                              ("zigzag", "context=4,expert=2", 20)])
 def test_explicit_context_parallel_layouts(model, reference_forward, layout, spec, seq):

@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import pytest
 
 from glm52_jax import choices, config
+from glm52_jax.model.kv_cache import slot_capacity
 from glm52_jax.model.lora import LoRAConfig
 from glm52_jax.model.options import ModelOptions
 from glm52_jax.parallel.mesh import MeshSpec
-from glm52_jax.plan.capacity import plan_capacity
 from glm52_jax.plan.devices import ensure_virtual_devices
 from glm52_jax.plan.planner import plan
 from glm52_jax.plan.programs import BUILDERS
@@ -175,11 +175,13 @@ def test_one_builder_per_program():
     assert set(TRANSACTION_PROGRAMS) < set(PROGRAMS)
 
 
-def test_plan_capacity_rounds_for_sequence_sharding():
-    # Sampler.capacity_for caps at max positions: 2M + 16 -> 2,097,168, which 32 devices do not divide.
-    cap, planned, issue = plan_capacity(2_097_152, 16, 2_097_168, 256, 32)
-    assert (cap, planned) == (2_097_168, 2_097_408) and "not divisible" in issue
-    assert plan_capacity(96, 8, 65536, 256, 8) == (256, 256, None)
+def test_capacity_is_padded_for_the_slot_shards():
+    # 2M + 16 tokens: 2,097,168 = the position limit, which 32 devices do not divide; the sampler and the
+    # plan both pad to the next multiple of lcm(256, 32) (pad slots are never attended).
+    assert slot_capacity(2_097_152 + 16, 256, 32) == 2_097_408
+    assert slot_capacity(96 + 8, 256, 8) == 256 and slot_capacity(1000, 1, 24) == 1008
+    with pytest.raises(ValueError, match="positive"):
+        slot_capacity(10, 256, 0)
 
 
 def test_ensure_virtual_devices_after_jax_started():

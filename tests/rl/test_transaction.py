@@ -268,6 +268,35 @@ def test_export_from_the_saved_settings(runs):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)
 
 
+def test_export_writes_native_positions_unless_asked(tmp_path, monkeypatch):
+    """A run under a YaRN payload exports its merged checkpoint with the base's native config.json (the seed's
+    rule: the payload is a run-time override), or with the payload under `export.keep_rope_scaling=True`."""
+    import jax
+
+    from glm52_jax.checkpoint.train_state import RunCheckpoints, RunState
+    from glm52_jax.config import ModelConfig
+    from glm52_jax.rl.export import export_run
+    from glm52_jax.rl.policy import build_policy
+
+    monkeypatch.delenv("GLM52_ROPE_SCALING_JSON", raising=False)
+    spec = _spec(**{"model.rope_scaling_json": _payload(tmp_path, "yarn.json")})
+    native = ModelConfig.from_json_file(EMBEDDED_POLICY / "config.json")
+    # A committed step 1 of such a run (fresh adapters: what is checked here is the config.json written).
+    policy, optimizer = build_policy(spec, resolve(spec, data=False))
+    ckpts = RunCheckpoints(tmp_path / "run" / "checkpoints")
+    ckpts.save(policy, optimizer, RunState(step=1, rng=jax.random.key(0), cursor=0, optimizer_steps=0,
+                                           meta={"config_sha256": spec.resume_sha256(), "base": spec.model.base_name}))
+    ckpts.close()
+    default = export_run(spec, tmp_path / "run", export_dir=tmp_path / "native")
+    kept = export_run(spec.replace(**{"export.keep_rope_scaling": True}), tmp_path / "run",
+                      export_dir=tmp_path / "kept")
+    assert (default["merged_positions"], kept["merged_positions"]) == ("native", "run")
+    assert ModelConfig.from_json_file(tmp_path / "native" / "merged" / "config.json") == native
+    run_cfg = ModelConfig.from_json_file(tmp_path / "kept" / "merged" / "config.json")
+    assert run_cfg.rope.rope_type == "yarn" and run_cfg.max_position_embeddings == 131072
+    assert native.max_position_embeddings < 131072 and native.rope.rope_type != "yarn"
+
+
 def test_export_refuses_a_directory_without_a_run(tmp_path):
     from glm52_jax.rl.export import export_run
 
