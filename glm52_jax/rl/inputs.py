@@ -78,20 +78,56 @@ def check_capacity(model_cfg, spec: RunSpec, scaling_source: str) -> None:
                           f"max_position_embeddings={limit}{how}")
 
 
+def chat_template_for(model: ModelSpec):
+    """The chat template the run's prompts use: the one `model.tokenizer`'s directory ships, else the
+    checkpoint directory's (`rollout.chat_template.find_chat_template`); None = the hand-written fallback."""
+    from glm52_jax.rollout.chat_template import find_chat_template
+
+    places = []
+    if model.tokenizer:
+        path = Path(model.tokenizer)
+        places.append(("tokenizer", model.tokenizer, path if path.is_dir() else path.parent))
+    if model.checkpoint_path is not None and model.checkpoint_path.is_dir():
+        places.append(("checkpoint", model.checkpoint, model.checkpoint_path))
+    for flag, value, directory in places:
+        try:
+            template = find_chat_template(directory)
+        except ValueError as e:
+            raise ConfigError(f"--config.model.{flag}={value}: {e}") from None
+        if template is not None:
+            return template
+    return None
+
+
 def tokenizer_for(model: ModelSpec):
     """`model.tokenizer` (a tokenizer.json or its directory); "" = the checkpoint's tokenizer.json when
-    it ships one (a real release), else the project's tiny tokenizer (embedded policy, random init)."""
+    it ships one (a real release), else the project's tiny tokenizer (embedded policy, random init).
+    Its chat template is `chat_template_for(model)` (None: the fallback layout)."""
     from glm52_jax.rollout.tokenizer import Tokenizer
 
+    template = chat_template_for(model)
     source, path = model.tokenizer, model.checkpoint_path
     if not source and path is not None and (path / "tokenizer.json").is_file():
         source = str(path)
     if not source:
-        return Tokenizer.default()
+        return Tokenizer.default(chat_template=template)
     try:
-        return Tokenizer(source)
+        return Tokenizer(source, chat_template=template)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"--config.model.tokenizer={model.tokenizer}: {e}") from None
+
+
+def exact_prompt(tokenizer, row, n_tokens: int) -> list[int]:
+    """`build_exact_prompt` with its errors as ConfigErrors: a template's names its file, a row's the N."""
+    from glm52_jax.rl.prompts import build_exact_prompt
+    from glm52_jax.rollout.chat_template import ChatTemplateError
+
+    try:
+        return build_exact_prompt(tokenizer, row, n_tokens)
+    except ChatTemplateError as e:
+        raise ConfigError(str(e)) from None
+    except ValueError as e:
+        raise ConfigError(f"--config.data.prompt_tokens={n_tokens}: row {row.index}: {e}") from None
 
 
 @dataclasses.dataclass
@@ -105,24 +141,22 @@ class RunInputs:
     rows: list  # every DapoRow; transaction k reads on from its data cursor
     first_prompts: list[list[int]]  # exact-N ids of the first transaction's candidates (checked)
 
+    @property
+    def chat_template(self) -> dict[str, str] | None:
+        """Which chat template renders the prompts and its sha256 (the receipt's "prompt" section)."""
+        return None if self.tokenizer is None else self.tokenizer.chat_template.describe()
+
     def candidate(self, cursor: int, i: int) -> tuple[Any, list[int]]:
         """Row and exact-N prompt of candidate `i` at data position `cursor` (wrapping around the rows)."""
-        from glm52_jax.rl.prompts import build_exact_prompt
-
         if cursor == self.spec.data.first_row and i < len(self.first_prompts):
             return self.rows[(cursor + i) % len(self.rows)], self.first_prompts[i]
         row = self.rows[(cursor + i) % len(self.rows)]
-        try:
-            return row, build_exact_prompt(self.tokenizer, row, self.spec.data.prompt_tokens)
-        except ValueError as e:
-            raise ConfigError(f"--config.data.prompt_tokens={self.spec.data.prompt_tokens}: row {row.index}: {e}") \
-                from None
+        return row, exact_prompt(self.tokenizer, row, self.spec.data.prompt_tokens)
 
 
 def resolve(spec: RunSpec, *, data: bool = True) -> RunInputs:
     """Checks the files a run needs and resolves them (no model is built). `data=False`: model only."""
     from glm52_jax.rl.data import load_rows
-    from glm52_jax.rl.prompts import build_exact_prompt
 
     model_cfg, scaling, scaling_source, _ = model_config(spec.model)
     check_capacity(model_cfg, spec, scaling_source)
@@ -135,13 +169,8 @@ def resolve(spec: RunSpec, *, data: bool = True) -> RunInputs:
     if not rows:
         raise ConfigError(f"--config.data.path={spec.data.path}: no rows")
     tok = tokenizer_for(spec.model)
-    prompts = []
-    for i in range(spec.search.max_candidates):
-        row = rows[(spec.data.first_row + i) % len(rows)]
-        try:
-            prompts.append(build_exact_prompt(tok, row, spec.data.prompt_tokens))
-        except ValueError as e:
-            raise ConfigError(f"--config.data.prompt_tokens={spec.data.prompt_tokens}: {e}") from None
+    prompts = [exact_prompt(tok, rows[(spec.data.first_row + i) % len(rows)], spec.data.prompt_tokens)
+               for i in range(spec.search.max_candidates)]
     if max(max(p) for p in prompts) >= model_cfg.vocab_size:
         raise ConfigError(f"the tokenizer's ids exceed the model's vocab_size {model_cfg.vocab_size} "
                           f"(--config.model.tokenizer={spec.model.tokenizer})")

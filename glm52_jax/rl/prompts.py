@@ -1,11 +1,16 @@
 """Exact-N-token prompts: deterministic filler + the chat-formatted DAPO question at the end.
 
-Layout (ids; default GLM-4.5-style template, see `glm52_jax.rollout.tokenizer`)::
+Layout (ids; the tokenizer's chat template: the checkpoint's own jinja template when it ships one,
+else the GLM-4.5-style fallback of `glm52_jax.rollout.tokenizer`, whose texts are shown)::
 
     head     = encode("[gMASK]<sop>" + <earlier turns, e.g. system> + "<|user|>\\n")
     filler   = the seed's filler block ids, repeated cyclically and cut to exactly F ids
     question = encode("\\n\\n" + <last user message content> + "<|assistant|>")
     prompt   = head + filler + question,   F = N - len(head) - len(question)
+
+With a jinja template, head and the question's tail are the texts the template renders before and
+after the user content (`JinjaChatTemplate.prompt_parts`): found by rendering the conversation with a
+marker where the filler goes, so thinking tags, role tokens etc. are exactly the template's.
 
 The filler sits *inside* the single user turn, before the problem, so the whole prompt is one valid
 chat turn: `[gMASK]<sop><|user|>\\n<filler...>\\n\\n<DAPO question><|assistant|>`.
@@ -31,7 +36,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from glm52_jax.rl.data import DapoRow
-from glm52_jax.rollout.tokenizer import ChatTemplate, Tokenizer
+from glm52_jax.rollout.tokenizer import ChatFormat, Tokenizer
 
 __all__ = ["ExactPrompt", "QUESTION_SEPARATOR", "build_exact_prompt", "filler_block", "filler_lines",
            "layout_exact_prompt", "min_prompt_tokens"]
@@ -102,26 +107,29 @@ def _messages(row_or_messages) -> list[Mapping[str, str]]:
                     f"got {type(row_or_messages).__name__}")
 
 
-def _segments(tokenizer: Tokenizer, row_or_messages, template: ChatTemplate | None) -> tuple[list[int], list[int]]:
+def _segments(tokenizer: Tokenizer, row_or_messages, template: ChatFormat | None) -> tuple[list[int], list[int]]:
+    """(head ids, question ids): the template's text before the question turn's content, and the
+    separator + question + the template's text after it (generation prompt included)."""
     template = template or tokenizer.chat_template
     messages = _messages(row_or_messages)
     last = messages[-1]
     if not isinstance(last, Mapping) or last.get("role") != "user" or not isinstance(last.get("content"), str):
         raise ValueError("the last message must be a user message with str content (the question)")
-    before, after = template.turn_parts("user")
-    head = template.render(messages[:-1], add_generation_prompt=False) + before
-    question = QUESTION_SEPARATOR + last["content"] + after + template.generation_prompt
-    return tokenizer.encode(head), tokenizer.encode(question)
+    question = QUESTION_SEPARATOR + last["content"]
+    # The filler goes at the start of the user content, before the separator: the template must keep
+    # `filler + question` verbatim inside the turn, which `prompt_parts` checks for a jinja template.
+    head, tail = template.prompt_parts([*messages[:-1], {**last, "content": question}])
+    return tokenizer.encode(head), tokenizer.encode(question + tail)
 
 
-def min_prompt_tokens(tokenizer: Tokenizer, row_or_messages, *, template: ChatTemplate | None = None) -> int:
+def min_prompt_tokens(tokenizer: Tokenizer, row_or_messages, *, template: ChatFormat | None = None) -> int:
     """The smallest N `build_exact_prompt` accepts for this question (no filler)."""
     head, question = _segments(tokenizer, row_or_messages, template)
     return len(head) + len(question)
 
 
 def layout_exact_prompt(tokenizer: Tokenizer, row_or_messages, n_tokens: int, *, filler_seed: int = 0,
-                        template: ChatTemplate | None = None) -> ExactPrompt:
+                        template: ChatFormat | None = None) -> ExactPrompt:
     """`build_exact_prompt` plus the segment lengths."""
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, (int, np.integer)):
         raise TypeError(f"n_tokens must be an int, got {type(n_tokens).__name__}")
@@ -138,7 +146,7 @@ def layout_exact_prompt(tokenizer: Tokenizer, row_or_messages, n_tokens: int, *,
 
 
 def build_exact_prompt(tokenizer: Tokenizer, row_or_messages: DapoRow | Sequence[Mapping[str, str]] | str,
-                       n_tokens: int, *, filler_seed: int = 0, template: ChatTemplate | None = None) -> list[int]:
+                       n_tokens: int, *, filler_seed: int = 0, template: ChatFormat | None = None) -> list[int]:
     """Exactly `n_tokens` prompt ids: head + deterministic filler + chat-formatted question (module doc).
 
     row_or_messages: a DapoRow, chat messages whose last one is the user question (earlier ones,

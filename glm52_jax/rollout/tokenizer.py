@@ -19,19 +19,26 @@ Chat template (what `ChatTemplate()` renders, GLM-4.5/4.6 convention):
 Special tokens are added tokens of the HF tokenizer: any occurrence of their text in an encoded
 string (template *or* message content) maps to the single special id, exactly as HF
 `apply_chat_template(..., tokenize=True)` does. `encode` never adds tokens implicitly.
+
+`ChatTemplate` is the fallback for checkpoints that ship no chat template of their own; a shipped
+one is a `rollout.chat_template.JinjaChatTemplate`. Both implement `ChatFormat`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
+from typing import Protocol
 
 import tokenizers
 
-__all__ = ["ChatTemplate", "GLM_EOS_TOKENS", "SPECIAL_TOKENS", "Tokenizer", "default_tokenizer_path"]
+from glm52_jax.evidence.hashing import sha256_bytes
+
+__all__ = ["ChatFormat", "ChatTemplate", "GLM_EOS_TOKENS", "SPECIAL_TOKENS", "Tokenizer", "default_tokenizer_path"]
 
 # The shipped tiny tokenizer's special tokens, in id order (ids 0..6). Chosen so that id 0 is the
 # first token of every prompt ("bos" = [gMASK]) and id 1 is <|endoftext|>, matching
@@ -49,6 +56,20 @@ _CONTENT = "{content}"
 def default_tokenizer_path() -> Path:
     """The shipped tiny tokenizer: `glm52_jax/assets/tokenizer.json`."""
     return Path(os.fspath(resources.files("glm52_jax").joinpath("assets", "tokenizer.json")))
+
+
+class ChatFormat(Protocol):
+    """What renders chat messages into prompt text (`ChatTemplate`, `chat_template.JinjaChatTemplate`)."""
+
+    def render(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
+        """The prompt text of `messages` (list of {"role", "content"})."""
+
+    def prompt_parts(self, messages: Sequence[Mapping[str, str]]) -> tuple[str, str]:
+        """(head, tail) around the last message's content in `render(messages)`, generation prompt in tail;
+        text put at the start of that content lands between head and content."""
+
+    def describe(self) -> dict[str, str]:
+        """{"template": which one, "sha256": of its definition}, for receipts."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +121,20 @@ class ChatTemplate:
             parts.append(self.generation_prompt)
         return "".join(parts)
 
+    def prompt_parts(self, messages: Sequence[Mapping[str, str]]) -> tuple[str, str]:
+        """(head, tail) around the last message's content in `render(messages)` (`ChatFormat`)."""
+        if not messages:
+            raise ValueError("prompt_parts needs at least one message")
+        *earlier, last = messages
+        role, _ = _message_fields(last, len(earlier))
+        before, after = self.turn_parts(role)
+        return self.render(earlier, add_generation_prompt=False) + before, after + self.generation_prompt
+
+    def describe(self) -> dict[str, str]:
+        """The hand-written layout and the sha256 of its fields (canonical JSON), for receipts."""
+        fields = json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+        return {"template": "builtin:ChatTemplate", "sha256": sha256_bytes(fields.encode("utf-8"))}
+
 
 def _message_fields(message, i: int) -> tuple[str, str]:
     if not isinstance(message, Mapping):
@@ -120,7 +155,7 @@ class Tokenizer:
     """
 
     def __init__(self, source: str | os.PathLike | tokenizers.Tokenizer, *,
-                 chat_template: ChatTemplate | None = None, eos_tokens: Iterable[str] = GLM_EOS_TOKENS):
+                 chat_template: ChatFormat | None = None, eos_tokens: Iterable[str] = GLM_EOS_TOKENS):
         if isinstance(source, tokenizers.Tokenizer):
             self._tok, self.path = source, None
         else:
@@ -180,11 +215,11 @@ class Tokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
-                    template: ChatTemplate | None = None) -> str:
+                    template: ChatFormat | None = None) -> str:
         return (template or self.chat_template).render(messages, add_generation_prompt=add_generation_prompt)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
-                            template: ChatTemplate | None = None) -> list[int]:
+                            template: ChatFormat | None = None) -> list[int]:
         """Token ids of the chat-formatted `messages` (= encode(render_chat(...)))."""
         return self.encode(self.render_chat(messages, add_generation_prompt, template))
 

@@ -20,6 +20,7 @@ import pytest
 from glm52_jax.evidence import deterministic_view, verify
 from glm52_jax.rl.inputs import resolve
 from glm52_jax.rl.run import prefill_progress, run_online
+from glm52_jax.rollout.tokenizer import ChatTemplate
 from glm52_jax.run_config import EMBEDDED_POLICY, ConfigError
 from tests.run_helpers import ROOT, config_spec, readme_commands
 
@@ -95,6 +96,7 @@ def test_transactions_update_and_receipts_verify(runs):
         assert verify(receipt_path) == []
         receipt = json.loads(receipt_path.read_text())
         assert receipt["transaction"]["step"] == step
+        assert receipt["prompt"]["chat_template"] == ChatTemplate().describe()  # the embedded policy ships none
         training = receipt["training"]
         assert training["optimizer_steps"] == 1 and training["optimizer_steps_total"] == step
         assert training["lora_sha256_before"] != training["lora_sha256_after"]  # the step changed the adapters
