@@ -156,6 +156,21 @@ def train_program(s: PlanSetup, adamw) -> Program:
     return Program(train_step, (lora, frozen, opt_state, prompt, responses, *floats, prefix), {}, what, 1)
 
 
+def new_logprobs_program(s: PlanSetup) -> Program:
+    """The log-probs recorded after the update: `gradients.cached_response_logprobs`, the G responses
+    against the sampler's batch-1 prompt cache (R tokens per sample, no whole-sequence forward)."""
+    graphdef, chunk = s.graphdef, s.logprob_chunk
+
+    def new_logprobs(state, prefix, prompt, responses):
+        return gradients.cached_response_logprobs(graphdef, state, prefix, prompt, responses, chunk=chunk)
+
+    g, r, p = s.num_samples, s.max_new_tokens, s.prompt_tokens
+    args = (s.state, s.cache(1), sds_even((p,), "int32", s.mesh, ("seq",)), sds((g, r), "int32", s.mesh, None))
+    what = (f"new log-probs after the update: G={g} x R={r} response tokens against the batch-1 prompt cache "
+            f"(capacity {s.capacity})")
+    return Program(new_logprobs, args, {}, what, 1)
+
+
 # name -> builder(setup, adamw), one per `choices.PLAN_PROGRAMS`; "forward" is a reference, not part of
 # a transaction.
 BUILDERS: dict[str, Callable[[PlanSetup, Any], Program]] = {
@@ -163,4 +178,5 @@ BUILDERS: dict[str, Callable[[PlanSetup, Any], Program]] = {
     "forward": lambda s, adamw: forward_program(s),
     "decode": lambda s, adamw: decode_program(s),
     "train": train_program,
+    "new_logprobs": lambda s, adamw: new_logprobs_program(s),
 }

@@ -10,7 +10,8 @@ from glm52_jax import choices
 from glm52_jax.plan.hlo import COLLECTIVE_KINDS
 
 PROGRAMS = choices.PLAN_PROGRAMS  # what `plan` can compile
-TRANSACTION_PROGRAMS = ("prefill", "decode", "train")  # what a GRPO transaction runs; "forward" is a reference
+# What a GRPO transaction runs; "forward" is a reference.
+TRANSACTION_PROGRAMS = ("prefill", "decode", "train", "new_logprobs")
 
 NOTES = (
     "per device throughout; memory from compiled.memory_analysis(); total = argument + output + temp - alias",

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glm52_jax.choices import GRADIENT_MODES
-from glm52_jax.model.kv_cache import KVCache
+from glm52_jax.model.kv_cache import KVCache, slot_capacity, slot_ways
 from glm52_jax.model.lora import LoRA
 from glm52_jax.model.transformer import target_logprobs
 from glm52_jax.rl import grpo
@@ -174,8 +174,7 @@ def _conventional(graphdef, lora, frozen, prompt, batch, settings, norm, chunk, 
 def _response_only(graphdef, lora, frozen, prompt, batch, settings, norm, chunk, prefix):
     if prefix is None:  # one program with its own prefill (`lora_gradients` prefills separately)
         prefix = prefill_split(graphdef, lora, frozen, prompt,
-                               capacity=prefix_capacity(_max_positions(graphdef, lora, frozen), prompt.shape[0],
-                                                        batch[0].shape[1]))
+                               capacity=prefix_capacity(prompt.shape[0], batch[0].shape[1]))
     cache = jax.lax.stop_gradient(prefix)  # a constant: no gradient through the prefix
 
     def logprobs(lora, response):
@@ -185,7 +184,7 @@ def _response_only(graphdef, lora, frozen, prompt, batch, settings, norm, chunk,
 
 
 def _shared_prefix(graphdef, lora, frozen, prompt, batch, settings, norm, chunk, prefix=None):
-    capacity = prefix_capacity(_max_positions(graphdef, lora, frozen), prompt.shape[0], batch[0].shape[1])
+    capacity = prefix_capacity(prompt.shape[0], batch[0].shape[1])
     length = jnp.asarray(prompt.shape[0] - 1, jnp.int32)
 
     def prefix_arrays(lora):
@@ -236,16 +235,11 @@ compute_gradients_jit = jax.jit(compute_gradients, static_argnames=("graphdef", 
 CAPACITY_MULTIPLE = 256
 
 
-def _max_positions(graphdef, lora, frozen) -> int:
-    return nnx.merge(graphdef, lora, frozen).cfg.max_position_embeddings
-
-
-def prefix_capacity(max_positions: int, prompt_len: int, response_len: int) -> int:
-    """Cache slots for the prefix plus one response (P-1+R), rounded up to a multiple of 256 (as the
-    sampler's) so a mesh can split them evenly; unused slots are never visible to a query."""
-    need = prompt_len - 1 + response_len
-    rounded = -(-need // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
-    return max(need, min(rounded, max_positions))
+def prefix_capacity(prompt_len: int, response_len: int) -> int:
+    """Cache slots for the prefix plus one response (P-1+R), rounded up like the sampler's cache (a
+    multiple of 256 and of the devices sharding the slots under the current mesh); padding slots are
+    never visible to a query."""
+    return slot_capacity(prompt_len - 1 + response_len, CAPACITY_MULTIPLE, slot_ways())
 
 
 def prefill_split(graphdef: nnx.GraphDef, lora: nnx.State, frozen: nnx.State, prompt: jax.Array, *,
@@ -258,6 +252,20 @@ def prefill_split(graphdef: nnx.GraphDef, lora: nnx.State, frozen: nnx.State, pr
 # A separate program, so response_only compiles the same gradient program with or without a
 # caller-supplied prefix cache.
 prefill_split_jit = jax.jit(prefill_split, static_argnames=("graphdef", "capacity"))
+
+
+def cached_response_logprobs(graphdef: nnx.GraphDef, state: nnx.State, prefix: KVCache, prompt: jax.Array,
+                             responses: jax.Array, *, chunk: int = 1024) -> jax.Array:
+    """Log-probs of `responses: [G,R]` after a batch-1 cache of `prompt[:-1]`: -> [G,R] float32.
+
+    response_only's forward without a gradient: one pass over the R response tokens per sample, the
+    prompt's keys read from `prefix` (e.g. the sampler's cache), never a whole-sequence forward.
+    """
+    model = nnx.merge(graphdef, state)
+    return jax.lax.map(lambda response: cached_logprobs(model, prefix, prompt[-1], response, chunk), responses)
+
+
+cached_response_logprobs_jit = jax.jit(cached_response_logprobs, static_argnames=("graphdef", "chunk"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -276,7 +284,7 @@ def _check_inputs(prompt, responses, mask, old, adv):
         raise ValueError(f"advantages has shape {adv.shape}, expected {responses.shape[:1]}")
 
 
-def _prefix_for_response(prefix_cache: KVCache, prompt_len: int, response_len: int) -> KVCache:
+def prefix_for_response(prefix_cache: KVCache, prompt_len: int, response_len: int) -> KVCache:
     """The sampler's batch-1 cache, cut back to the P-1 prefix tokens (later slots get rewritten)."""
     need = prompt_len - 1 + response_len
     if prefix_cache.batch != 1:
@@ -319,10 +327,10 @@ def lora_gradients(model: nnx.Module, prompt, responses, response_mask, old_logp
         if mode != "response_only":
             raise ValueError(f"prefix_cache is only used by response_only; {mode} differentiates through "
                              "the prefix and must run it itself")
-        prefix_cache = _prefix_for_response(prefix_cache, prompt.shape[0], responses.shape[1])
+        prefix_cache = prefix_for_response(prefix_cache, prompt.shape[0], responses.shape[1])
     graphdef, lora, frozen = split_lora(model)
     if mode == "response_only" and prefix_cache is None:
-        capacity = prefix_capacity(model.cfg.max_position_embeddings, prompt.shape[0], responses.shape[1])
+        capacity = prefix_capacity(prompt.shape[0], responses.shape[1])
         prefix_cache = (prefill_split_jit if jit else prefill_split)(graphdef, lora, frozen, prompt, capacity=capacity)
     fn = compute_gradients_jit if jit else compute_gradients
     grads, losses, logps, metrics = fn(graphdef, lora, frozen, prompt, responses, mask, old, adv, prefix_cache,

@@ -32,36 +32,39 @@ def lora_bytes(model) -> bytes:
 
 def update(inputs: RunInputs, model, optimizer, sampler, accepted: Accepted) -> tuple[dict, dict, dict]:
     """The GRPO step on the accepted group: (training record, numerics record, arrays to keep)."""
-    import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from glm52_jax.model.transformer import token_logprobs
+    from glm52_jax.rl.gradients import cached_response_logprobs_jit, prefix_for_response
     from glm52_jax.rl.update import NonFiniteGradientError, grpo_update
 
     spec = inputs.spec
-    mode, g, n = spec.train.gradient_mode, spec.sampling.num_samples, spec.sampling.max_new_tokens
+    mode, n = spec.train.gradient_mode, spec.sampling.max_new_tokens
     res, prompt = accepted.result, accepted.prompt
     responses, mask, advantages = response_batch(accepted, model.cfg.pad_token_id or 0, n)
-    prefix = None
-    if mode == "response_only":  # reuse the sampler's prompt KV: no second prefill
-        prefix, _, _ = sampler.prefill(prompt, sampler.capacity_for(len(prompt), n))
+    # The sampler's cache of this prompt (kept whole by its prefix cache: no prefill runs here). response_only's
+    # update reads its prompt KV from it; the new log-probs below too.
+    prefix, _, _ = sampler.prefill(prompt, sampler.capacity_for(len(prompt), n))
+    prefix = prefix_for_response(prefix, len(prompt), n)
     steps_before = optimizer.step
     try:
         upd = grpo_update(model, optimizer, np.asarray(prompt, np.int32), responses, mask, res.logprobs, advantages,
-                          mode=mode, loss=loss_settings(spec.train), prefix_cache=prefix)
+                          mode=mode, loss=loss_settings(spec.train),
+                          prefix_cache=prefix if mode == "response_only" else None)
     except NonFiniteGradientError as e:
         return ({"status": "aborted_nonfinite", "optimizer_steps": 0, "mode": mode},
                 {"finite": False, "error": str(e)}, {})
     sampler.policy_updated()  # cached prompt KV and the sampler's weights are now stale
+    # The updated adapters on the responses, the prompt's KV from the sampling policy (response_only's view of
+    # the new policy): one pass over R tokens per sample, not a forward over G x (P + R) tokens.
     graphdef, state = nnx.split(model)
-    logp_fn = jax.jit(lambda st, ids: token_logprobs(nnx.merge(graphdef, st), ids))
-    ids = np.concatenate([np.repeat(np.asarray(prompt, np.int32)[None], g, 0), responses], axis=1)
-    new_logprobs = np.asarray(logp_fn(state, jnp.asarray(ids)))[:, len(prompt) - 1:] * mask
+    new_logprobs = np.asarray(cached_response_logprobs_jit(graphdef, state, prefix, jnp.asarray(prompt, jnp.int32),
+                                                           jnp.asarray(responses))) * mask
     loss = float(upd.loss)
     training = {"status": "updated", "optimizer_steps": optimizer.step - steps_before, "mode": mode, "loss": loss,
                 "grad_norm": float(upd.grad_norm), "metrics": {k: float(v) for k, v in upd.metrics.items()},
-                "grads_sha256": sha256_bytes(state_bytes(upd.grads)), "advantages": advantages.tolist()}
+                "grads_sha256": sha256_bytes(state_bytes(upd.grads)), "advantages": advantages.tolist(),
+                "new_logprobs": "updated adapters on the responses, prompt KV of the sampling policy"}
     numerics = {"finite": bool(np.isfinite(loss) and np.isfinite(new_logprobs).all())}
     arrays = {"new_logprobs.npy": new_logprobs, "responses.npy": responses, "response_mask.npy": mask}
     return training, numerics, arrays

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 
 from glm52_jax.model.kv_cache import KVCache  # re-exported: the cache layout lives with the model
@@ -52,6 +53,7 @@ class PrefixCache:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
         self._entries: collections.OrderedDict[tuple[int, ...], KVCache] = collections.OrderedDict()
+        self._last_hidden: dict[tuple[int, ...], jax.Array] = {}  # [1,D] of the entries that hold a whole prompt
         self.evictions = 0
 
     @property
@@ -80,8 +82,18 @@ class PrefixCache:
         cache = self._entries[best_key]
         return best_len, KVCache(cache.c_kv, cache.k_rope, cache.index_k, jnp.asarray(best_len, jnp.int32))
 
-    def insert(self, tokens: Sequence[int], cache: KVCache) -> None:
-        """Stores `cache` (holding exactly `tokens`), evicting LRU entries to stay within bounds."""
+    def whole(self, prompt: Sequence[int]) -> tuple[KVCache, jax.Array] | None:
+        """(cache, last hidden state [1,D]) of an entry holding exactly `prompt` and stored with its
+        hidden state: the same prompt again (another request, the update's prompt KV) needs no prefill."""
+        key = tuple(int(t) for t in prompt)
+        if key not in self._entries or key not in self._last_hidden:
+            return None
+        self._entries.move_to_end(key)
+        return self._entries[key], self._last_hidden[key]
+
+    def insert(self, tokens: Sequence[int], cache: KVCache, h_last: jax.Array | None = None) -> None:
+        """Stores `cache` (holding exactly `tokens`; `h_last` [1,D]: the last token's hidden state, if known),
+        evicting LRU entries to stay within bounds."""
         key = tuple(int(t) for t in tokens)
         if int(cache.length) != len(key):
             raise ValueError(f"cache holds {int(cache.length)} tokens but {len(key)} were given")
@@ -93,10 +105,15 @@ class PrefixCache:
         # An entry that is a prefix of the new one is now redundant.
         for old in [k for k in self._entries if len(k) <= len(key) and key[:len(k)] == k]:
             del self._entries[old]
+            self._last_hidden.pop(old, None)
         self._entries[key] = cache
+        if h_last is not None:
+            self._last_hidden[key] = h_last
         while self.nbytes > self.max_bytes:
-            self._entries.popitem(last=False)
+            evicted, _ = self._entries.popitem(last=False)
+            self._last_hidden.pop(evicted, None)
             self.evictions += 1
 
     def clear(self) -> None:
         self._entries.clear()
+        self._last_hidden.clear()

@@ -251,6 +251,9 @@ class Sampler:
         Returns (cache, h_last, prompt tokens reused from the prefix cache).
         """
         prompt = list(prompt)
+        stored = self.prefix_cache.whole(prompt)
+        if stored is not None:  # this very prompt was prefilled: no compute
+            return fit_capacity(stored[0], capacity), stored[1], len(prompt)
         # Reuse at most len-1 tokens (the last one must run to give h_last), and only whole chunks,
         # so the recomputed chunks are exactly those of a cold run.
         hit_len, cache = self.prefix_cache.lookup(prompt, limit=len(prompt) - 1, multiple=self.chunk_size)
@@ -261,7 +264,7 @@ class Sampler:
             self.prefill_calls += 1
             rate = total / max(time.perf_counter() - start, 1e-9)
             self.progress(total, total, rate, 0.0)
-            self.prefix_cache.insert(prompt, cache)
+            self.prefix_cache.insert(prompt, cache, h_last)
             return cache, h_last, 0
         if cache is None:
             cache, hit_len = self._empty_cache(capacity), 0
@@ -280,7 +283,7 @@ class Sampler:
             rate = (done - hit_len) / max(elapsed, 1e-9)
             self.progress(done, total, rate, (total - done) / max(rate, 1e-9))
             if done % self.chunk_size == 0 or done == total:
-                self.prefix_cache.insert(prompt[:done], cache)
+                self.prefix_cache.insert(prompt[:done], cache, h_last if done == total else None)
         return cache, h_last, hit_len
 
     def _check_prompt(self, prompt_ids, params: SamplingParams) -> list[int]:

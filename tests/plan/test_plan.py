@@ -57,7 +57,7 @@ def _plan(mesh, programs, chunk_size=32, **kw):
 
 @pytest.fixture(scope="module")
 def folded():
-    return _plan(FOLDED, ("prefill", "decode", "train"))
+    return _plan(FOLDED, ("prefill", "decode", "train", "new_logprobs"))
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +94,9 @@ def test_folded_memory_matches_the_abstract_state(folded):
     train = folded["programs"]["train"]["memory"]
     resident = weights + 2 * model["lora_bytes_per_device"] + cache["batch1_bytes_per_device"]
     assert 0 < train["argument_bytes"] - resident < 1024
+    # The new log-probs read the weights and the batch-1 prompt cache (no G-row cache, no whole-sequence input).
+    after = folded["programs"]["new_logprobs"]["memory"]
+    assert 0 < after["argument_bytes"] - weights - cache["batch1_bytes_per_device"] < 1024
 
 
 def test_folded_collectives_and_flops(folded):
@@ -124,7 +127,7 @@ def test_folded_collectives_and_flops(folded):
 
 def test_report_is_json_and_formats(folded):
     again = json.loads(json.dumps(folded))
-    assert again["programs"].keys() == {"prefill", "decode", "train"}
+    assert again["programs"].keys() == {"prefill", "decode", "train", "new_logprobs"}
     text = format_plan(folded)
     for word in ("prefill", "decode", "train", "all-gather", "CP8/EP8", "fits"):
         assert word in text

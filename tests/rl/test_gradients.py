@@ -151,7 +151,7 @@ def test_response_only_with_the_samplers_prefix_cache(model, batch, runs):
     # the gradient program compiled for `runs` is reused.
     graphdef, state = nnx.split(model)
     prefill = jax.jit(lambda s, ids, c: nnx.merge(graphdef, s).forward_cached(ids, c)[1])
-    capacity = prefix_capacity(CFG.max_position_embeddings, P, R)
+    capacity = prefix_capacity(P, R)
     assert capacity >= P - 1 + R
     cache = prefill(state, jnp.asarray(batch["prompt"])[None], model.init_cache(1, capacity))
     assert int(cache.length) == P

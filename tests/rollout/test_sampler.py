@@ -159,6 +159,24 @@ def test_whole_prompt_prefill_matches_chunked(model, sampler):
         model.prefill(jnp.asarray(prompt, jnp.int32)[None], 40)
 
 
+@pytest.mark.parametrize("mode", ["chunked", "whole"])
+def test_the_same_prompt_again_runs_no_prefill(model, sampler, mode):
+    """Two requests on one prompt (two candidates, or the update's prompt KV after sampling): one prefill.
+    The second reuses the whole stored cache and the last token's hidden state, and samples exactly what
+    a cold request samples."""
+    s = sampler if mode == "chunked" else Sampler(model, chunk_size=16, capacity_multiple=64, prefill_mode="whole")
+    prompt = _prompt(LONG, seed=21)
+    before = s.prefill_calls
+    first = s.sample(prompt, SAMPLED)
+    calls = s.prefill_calls
+    second = s.sample(prompt, SAMPLED)
+    cache, _, hit = s.prefill(prompt, s.capacity_for(LONG, SAMPLED.max_new_tokens))
+    assert s.prefill_calls == calls and second.prefix_hit_tokens == hit == LONG and int(cache.length) == LONG
+    assert first.prefix_hit_tokens == 0 and calls - before == (1 if mode == "whole" else 3)  # 16 + 16 + 13 tokens
+    np.testing.assert_array_equal(second.tokens, first.tokens)
+    np.testing.assert_array_equal(second.logprobs, first.logprobs)
+
+
 def test_prefix_cache_is_bounded(model, sampler):
     one = model.init_cache(1, 64).nbytes()
     sampler.prefix_cache = PrefixCache(max_bytes=2 * one)
