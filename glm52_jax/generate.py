@@ -3,8 +3,9 @@
     python -m glm52_jax.generate --checkpoint DIR (--prompt TEXT | --prompt_ids 1,2,3) \
         --max_new_tokens N --temperature T --top_p P --seed S [--num_samples G] [--chat]
 
-`--prompt` needs a `tokenizer.json` in DIR (or `--tokenizer PATH`); `--chat` wraps it in the GLM
-chat template. A random tiny model works too: point --checkpoint at a `save_pretrained` directory.
+`--prompt` needs a `tokenizer.json` in DIR (or `--tokenizer PATH`); `--chat` wraps it in the chat
+template the tokenizer's directory or DIR ships (`chat_template.jinja` / tokenizer_config.json), else
+the hand-written GLM layout. A random tiny model works too: point --checkpoint at a `save_pretrained` directory.
 """
 
 from __future__ import annotations
@@ -50,8 +51,15 @@ def main(argv):
     tok_path = FLAGS.tokenizer or os.path.join(FLAGS.checkpoint, "tokenizer.json")
     tokenizer = None
     if os.path.exists(tok_path):
+        from glm52_jax.rollout.chat_template import find_chat_template
         from glm52_jax.rollout.tokenizer import Tokenizer
-        tokenizer = Tokenizer(tok_path)
+
+        # The tokenizer's directory's chat template, else the checkpoint's, else the hand-written GLM layout.
+        template = None
+        if FLAGS.chat:
+            for directory in dict.fromkeys((os.path.dirname(os.path.abspath(tok_path)), FLAGS.checkpoint)):
+                template = template or find_chat_template(directory)
+        tokenizer = Tokenizer(tok_path, chat_template=template)
     elif FLAGS.tokenizer or FLAGS.prompt is not None:
         raise app.UsageError(f"no tokenizer at {tok_path}; use --prompt_ids or --tokenizer")
     if FLAGS.prompt is not None:

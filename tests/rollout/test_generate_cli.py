@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import glm52_jax
-from glm52_jax.rollout.tokenizer import default_tokenizer_path
+from glm52_jax.rollout.tokenizer import Tokenizer, default_tokenizer_path
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +31,19 @@ def _run(*args):
                           timeout=300)
 
 
-def test_text_prompt_two_samples(ckpt):
-    res = _run(f"--checkpoint={ckpt}", "--prompt=What is 2 + 2?", "--chat", "--max_new_tokens=5",
-               "--num_samples=2", "--seed=3", "--stop_ids=")
+def test_text_prompt_two_samples(ckpt, tmp_path):
+    """--chat renders with the template the tokenizer's directory ships (not the hand-written layout)."""
+    shutil.copy(default_tokenizer_path(), tmp_path / "tokenizer.json")
+    (tmp_path / "chat_template.jinja").write_text(
+        "[gMASK]<sop>{% for m in messages %}<|{{ m.role }}|>QUESTION: {{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    res = _run(f"--checkpoint={ckpt}", f"--tokenizer={tmp_path / 'tokenizer.json'}", "--prompt=What is 2 + 2?",
+               "--chat", "--max_new_tokens=5", "--num_samples=2", "--seed=3", "--stop_ids=")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
+    text = "[gMASK]<sop><|user|>QUESTION: What is 2 + 2?<|assistant|>"
+    rendered = Tokenizer(tmp_path / "tokenizer.json").encode(text)
+    assert out["prompt_tokens"] == len(rendered)
     assert len(out["samples"]) == 2
     for s in out["samples"]:
         assert len(s["tokens"]) == 5 == len(s["logprobs"]) and s["finish_reason"] == "length"
