@@ -17,15 +17,17 @@ Why this shape:
 - The flat index is an `iota` over the array's GLOBAL shape inside `jit`; XLA's partitioner gives each
   shard its own offsets, so each word is mixed with its true position and moving a value (swapping two
   elements) changes the digest.
-- Both mixes are bijections, so changing any single element changes every lane; for several changes
-  a lane collides with probability about 2^-32, all four together about 2^-128.
+- Both mixes are bijections, so changing any single element changes every lane (guaranteed); for
+  several changes a lane collides with probability about 2^-32, and the four differently seeded lanes
+  together (treated as independent) about 2^-128.
 - Arrays with 2^32 elements or more: the flat index no longer fits a uint32, so the position is split
   as (outer, inner) over the leading and trailing axes (inner spans the longest run of trailing axes
   with fewer than 2^32 elements) and the outer index is mixed in as well. Smaller arrays use the flat
   index as is.
 - All arrays on one set of devices go through ONE jitted program whose output is a small
   [n_arrays, 4] uint32 table: one dispatch, one compile per state structure, and the only
-  device-to-host transfer is that table (replicated, so every process reads it).
+  device-to-host transfer is that table (fetched with `parallel.placement.to_host`, which also works
+  when the devices span several processes).
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ import numpy as np
 from glm52_jax.parallel.placement import to_host
 
 LANES = 4
-# Odd 32-bit constants (golden ratio and murmur3/xxhash primes): one seed per lane for the flat
-# (or inner) index, one per lane for the outer index of very large arrays.
+# Distinct arbitrary 32-bit constants (golden ratio, murmur3/xxhash multipliers): one seed per lane for
+# the flat (or inner) index, one per lane for the outer index of very large arrays.
 _SEEDS = (0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35, 0x27D4EB2F)
 _OUTER_SEEDS = (0x165667B1, 0xD3A2646C, 0xFD7046C5, 0xB55A4F09)
 INDEX_LIMIT = 1 << 32  # positions below this are the flat index itself
