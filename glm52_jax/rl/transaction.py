@@ -124,7 +124,7 @@ def receipt_fields(inputs: RunInputs, cfg, *, step: int, cursor: int, candidates
 def run_transaction(inputs: RunInputs, *, step: int, step_key, cursor: int, model, optimizer, sampler,
                     evidence_dir: Path, event, log) -> dict[str, Any]:
     """One transaction (search, sample, reward, update) with its receipt in `evidence_dir`."""
-    from glm52_jax.checkpoint.inventory import param_inventory
+    from glm52_jax.checkpoint.inventory import changed_entries, param_inventory
     from glm52_jax.evidence import EvidenceWriter
 
     spec = inputs.spec
@@ -137,8 +137,8 @@ def run_transaction(inputs: RunInputs, *, step: int, step_key, cursor: int, mode
     candidates, accepted = search_group(inputs, cursor, seeds, sampler, step=step,
                                         event=lambda kind, **kw: event(kind, traces, **kw), log=log)
     inventory_after = param_inventory(model)
-    changed = sorted(k for k in inventory_before if inventory_before[k] != inventory_after.get(k))
-    if changed or inventory_before.keys() != inventory_after.keys():
+    changed = changed_entries(inventory_before, inventory_after)
+    if changed:
         raise RuntimeError(f"sampling changed parameters: {changed[:5]}")
 
     training: dict[str, Any] = {"status": "no_mixed_group", "optimizer_steps": 0}

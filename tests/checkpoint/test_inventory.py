@@ -1,0 +1,99 @@
+"""Parameter inventory of a real tiny model: the same on one device and sharded on 8, unchanged by a
+no-op, changed in exactly the parameter that changed, and computed without fetching the model."""
+
+import re
+
+import jax
+import pytest
+from flax import nnx
+from lora_utils import fast_rngs
+
+import glm52_jax
+from glm52_jax import config
+from glm52_jax.checkpoint.digest import LANES
+from glm52_jax.checkpoint.inventory import changed_entries, param_inventory, state_leaves
+from glm52_jax.evidence.hashing import state_arrays
+from glm52_jax.model.lora import LoRAConfig
+from glm52_jax.model.transformer import GlmMoeDsa
+from glm52_jax.parallel.mesh import parse_mesh
+from glm52_jax.parallel.placement import place_model
+from glm52_jax.parallel.rules import axis_rules
+
+CFG = config.tiny(num_hidden_layers=2, indexer_types=("full", "shared"))
+OPTS = glm52_jax.ModelOptions(lora=LoRAConfig(rank=4, alpha=8.0))
+# What jaxlib's transfer guard logs (C++, to stderr) for each device-to-host copy under "log_explicit".
+TRANSFER = re.compile(r"device-to-host transfer: shape=\(([^)]*)\), dtype=(\w+)")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return GlmMoeDsa(CFG, OPTS, rngs=fast_rngs())
+
+
+@pytest.fixture(scope="module")
+def inventory(model):
+    return param_inventory(model)
+
+
+def _placed(model):
+    """`model` on 8 devices (experts 2 ways, heads/vocab 4 ways): a fresh copy (no host cache)."""
+    spec = parse_mesh("expert=2,tensor=4")
+    with axis_rules(spec.rules()):
+        return place_model(model, spec.make())
+
+
+def _sharded_names(model) -> list[str]:
+    return [name for name, x in state_leaves(nnx.state(model)).items() if not x.sharding.is_fully_replicated]
+
+
+def _with_one_change(model, name):
+    graphdef, state = nnx.split(model)
+    flat = [(path, var.replace(var.get_value().at[(0,) * var.get_value().ndim].add(1)))
+            if "/".join(map(str, path)) == name else (path, var) for path, var in nnx.to_flat_state(state)]
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def test_entries(model, inventory):
+    leaves = state_leaves(nnx.state(model))
+    assert list(inventory) == list(leaves) and len(inventory) > 20
+    for name, entry in inventory.items():
+        assert entry["shape"] == list(leaves[name].shape) and entry["dtype"] == str(leaves[name].dtype)
+        assert re.fullmatch(f"[0-9a-f]{{{8 * LANES}}}", entry["digest"]), name
+    assert {"bfloat16", "float32"} <= {e["dtype"] for e in inventory.values()}
+
+
+def test_no_op_and_sharding_keep_the_inventory(model, inventory):
+    graphdef, state = nnx.split(model)
+    assert param_inventory(nnx.merge(graphdef, state)) == inventory  # a new model object, same values
+    placed = _placed(model)
+    assert len(_sharded_names(placed)) > 20  # the experts, embeddings, projections, ... really are split
+    assert param_inventory(placed) == inventory
+    assert changed_entries(inventory, param_inventory(placed)) == []
+
+
+def test_one_changed_parameter_is_the_only_change(model, inventory):
+    name = "stacks/0/layers/0/mlp/down_proj"
+    changed = param_inventory(_with_one_change(model, name))
+    assert changed_entries(inventory, changed) == [name]
+    assert changed[name]["shape"] == inventory[name]["shape"]
+    dropped = dict(inventory)
+    del dropped[name]
+    assert changed_entries(inventory, dropped) == [name]
+
+
+def test_inventory_moves_only_the_digest_table(model, capfd):
+    """Under the transfer guard's log mode every device-to-host copy is logged with its shape: the
+    sharded model's inventory copies at most its [n_arrays, 4] uint32 table, while a host-side hash
+    (the former implementation, `state_arrays`) copies every sharded parameter."""
+    def transfers(fn, placed):
+        capfd.readouterr()
+        with jax.transfer_guard_device_to_host("log_explicit"):
+            result = fn(placed)
+        return result, TRANSFER.findall(capfd.readouterr().err)
+
+    placed = _placed(model)  # each its own placement: a fetched array is cached and not fetched again
+    inventory, inventory_transfers = transfers(param_inventory, placed)
+    assert set(inventory_transfers) <= {(f"{len(inventory)},{LANES}", "U32")}, inventory_transfers
+    sharded = _sharded_names(placed)
+    _, whole_model_transfers = transfers(lambda m: state_arrays(nnx.state(m)), _placed(model))
+    assert len(whole_model_transfers) >= len(sharded) > 20  # the log does see a whole-model fetch
