@@ -25,4 +25,5 @@ def get_config():
     # 128 chunks of 16K, each re-reading the key side); "chunked" runs `chunk_size` chunks against the cache.
     c.sampling.prefill_mode = "whole"
     c.sampling.prefix_cache_mib = 16_384
+    c.search.probe_tokens = 65_536  # the seed's 64K engine probe before the exact-2M requests
     return c

@@ -138,6 +138,11 @@ def resolve(spec: RunSpec, *, data: bool = True) -> RunInputs:
             prompts.append(build_exact_prompt(tok, row, spec.data.prompt_tokens))
         except ValueError as e:
             raise ConfigError(f"--config.data.prompt_tokens={spec.data.prompt_tokens}: {e}") from None
+    if spec.search.probe_tokens:  # the first transaction's probe: the first row's exact-N prompt
+        try:
+            build_exact_prompt(tok, rows[spec.data.first_row % len(rows)], spec.search.probe_tokens)
+        except ValueError as e:
+            raise ConfigError(f"--config.search.probe_tokens={spec.search.probe_tokens}: {e}") from None
     if max(max(p) for p in prompts) >= model_cfg.vocab_size:
         raise ConfigError(f"the tokenizer's ids exceed the model's vocab_size {model_cfg.vocab_size} "
                           f"(--config.model.tokenizer={spec.model.tokenizer})")
