@@ -85,3 +85,22 @@ def test_recomputation_imports_neither_jax_nor_numpy(tmp_path):
             "print(sorted(m for m in ('jax', 'numpy', 'flax') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_cli_flag_text_and_json(tmp_path, capsys):
+    from glm52_jax.evidence.__main__ import main
+
+    good = _write(tmp_path / "good")
+    assert main(["verify", "--recompute-rewards", str(good)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("OK 2 artifacts, manifest ")
+    assert lines[1] == "OK 4 rewards recomputed with the DAPO rule, all equal to the stored ones"
+    cands = _candidates()
+    cands[0]["rewards"][0] = -1.0
+    bad = _write(tmp_path / "bad", cands)  # written by the writer: every hash is valid
+    assert main(["verify", str(bad)]) == 0
+    capsys.readouterr()
+    assert main(["verify", "--json", "--recompute-rewards", str(bad)]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert not out["ok"] and out["rewards_recomputed"] == 4 and out["failures"] == [
+        "artifacts/rewards.json: candidate 0 sample 0: stored reward -1.0, recomputed 1.0 (pred '4', ground truth '4')"]
