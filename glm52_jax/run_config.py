@@ -212,6 +212,7 @@ class SamplingSpec(_Section):
 @dataclasses.dataclass(frozen=True)
 class SearchSpec(_Section):
     max_candidates: int = _rules(at_least(1))
+    probe_tokens: int = _rules(at_least(0, "0 = no engine probe"))
 
 
 _RATIO = number(0.0, high=1.0, strict_high=True)
@@ -286,6 +287,9 @@ class RunSpec:
             sections[name] = kind.from_mapping(values[name], name + ".")
         spec = cls(**top, **sections)
         spec.mesh_spec()  # a malformed mesh fails here
+        probe, prompt = spec.search.probe_tokens, spec.data.prompt_tokens
+        _check(probe < prompt, "search.probe_tokens", probe, f"must be 0 (off) or shorter than "
+               f"--config.data.prompt_tokens={prompt} (the probe is a short request before the long ones)")
         return spec
 
     def to_dict(self) -> dict[str, Any]:

@@ -50,6 +50,9 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.search = ml_collections.ConfigDict()
     c.search.max_candidates = 8  # prompts tried per transaction until a group's rewards differ
+    # Engine probe: before the candidates, one request of this many prompt tokens (exact-N prompt of the
+    # transaction's first row) is sampled and recorded in the receipt; 0 = off. Must be < data.prompt_tokens.
+    c.search.probe_tokens = 0
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 1  # transactions; each commits a receipt, then an Orbax checkpoint (resumable)

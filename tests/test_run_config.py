@@ -34,10 +34,10 @@ def test_configs_override_only_what_they_change():
     assert changed_2m == ["data.dedupe", "data.prompt_tokens", "mesh", "model.checkpoint", "model.dtype",
                           "model.preset", "model.rope_scaling_json", "name", "sampling.chunk_size",
                           "sampling.max_new_tokens", "sampling.prefill_mode", "sampling.prefix_cache_mib_per_device",
-                          "train.learning_rate"], changed_2m
+                          "search.probe_tokens", "train.learning_rate"], changed_2m
     assert sorted(k for k in m2 if m2[k] != parity[k]) == ["data.prompt_tokens", "model.rope_scaling_json", "name",
                                                           "sampling.chunk_size", "sampling.prefill_mode",
-                                                          "sampling.prefix_cache_mib_per_device"]
+                                                          "sampling.prefix_cache_mib_per_device", "search.probe_tokens"]
 
 
 def test_the_spec_and_the_launcher_start_without_jax():
@@ -69,6 +69,9 @@ def test_the_spec_and_the_launcher_start_without_jax():
     ("sampling.top_k", -1, "--config.sampling.top_k=-1: must be >= 0 (0 = no top-k truncation)"),
     ("sampling.prefill_mode", "all", "--config.sampling.prefill_mode=all: must be one of chunked, whole"),
     ("search.max_candidates", 0, "--config.search.max_candidates=0: must be >= 1"),
+    ("search.probe_tokens", -1, "--config.search.probe_tokens=-1: must be >= 0 (0 = no engine probe)"),
+    ("search.probe_tokens", 256, "--config.search.probe_tokens=256: must be 0 (off) or shorter than "
+                                 "--config.data.prompt_tokens=256"),
     ("model.lora_families", ("attention", "lm_head"), "--config.model.lora_families=('attention', 'lm_head'): "
                                                       "unknown ['lm_head']; choose from attention, routed_experts, "
                                                       "shared_expert, dense_mlp, unembed"),

@@ -1,6 +1,7 @@
 """CLI for evidence receipts.
 
     python -m glm52_jax.evidence verify RECEIPT [--json]   # exit 0 valid, 1 failures, 2 usage
+    python -m glm52_jax.evidence verify --recompute-rewards RECEIPT   # also re-score every stored reward
     python -m glm52_jax.evidence show RECEIPT              # short summary (does not verify)
 
 RECEIPT is a receipt.json or the run directory holding it.
@@ -22,6 +23,7 @@ from glm52_jax.evidence.receipt import (
     load_receipt,
     verify,
 )
+from glm52_jax.evidence.rewards_check import recompute_rewards
 
 
 def _receipt_path(arg: str) -> Path:
@@ -29,20 +31,29 @@ def _receipt_path(arg: str) -> Path:
     return path / RECEIPT_NAME if path.is_dir() else path
 
 
-def _verify(path: Path, as_json: bool) -> int:
+def _verify(path: Path, as_json: bool, recompute: bool) -> int:
     failures = verify(path)
+    rewards = None
+    if recompute:  # also when a hash fails: every difference is worth naming
+        reward_failures, rewards = recompute_rewards(path)
+        failures += reward_failures
     manifest, manifest_sha = None, None
     if not failures:
         receipt = load_receipt(path)
         manifest, manifest_sha = receipt["manifest"], receipt["manifest_sha256"]
     if as_json:
-        print(json.dumps({"ok": not failures, "receipt": str(path), "failures": failures,
-                          "artifacts": None if manifest is None else len(manifest), "manifest_sha256": manifest_sha}))
+        record = {"ok": not failures, "receipt": str(path), "failures": failures,
+                  "artifacts": None if manifest is None else len(manifest), "manifest_sha256": manifest_sha}
+        if recompute:
+            record["rewards_recomputed"] = rewards
+        print(json.dumps(record))
     elif failures:
         for failure in failures:
             print(failure)
     else:
         print(f"OK {len(manifest)} artifacts, manifest {manifest_sha}")
+        if recompute:
+            print(f"OK {rewards} rewards recomputed with the DAPO rule, all equal to the stored ones")
     return 1 if failures else 0
 
 
@@ -77,13 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     p_verify = sub.add_parser("verify", help="recompute all hashes; exit 1 naming each failure")
     p_verify.add_argument("receipt", help="receipt.json or its run directory")
     p_verify.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p_verify.add_argument("--recompute-rewards", action="store_true",
+                          help="also recompute every stored reward from its stored text and ground truth (DAPO rule)")
     p_show = sub.add_parser("show", help="print a short summary of a receipt")
     p_show.add_argument("receipt", help="receipt.json or its run directory")
     args = parser.parse_args(argv)
 
     path = _receipt_path(args.receipt)
     if args.command == "verify":
-        return _verify(path, args.json)
+        return _verify(path, args.json, args.recompute_rewards)
     try:
         receipt = load_receipt(path)
     except EvidenceError as e:

@@ -117,8 +117,9 @@ def tokenizer_for(model: ModelSpec):
         raise ConfigError(f"--config.model.tokenizer={model.tokenizer}: {e}") from None
 
 
-def exact_prompt(tokenizer, row, n_tokens: int) -> list[int]:
-    """`build_exact_prompt` with its errors as ConfigErrors: a template's names its file, a row's the N."""
+def exact_prompt(tokenizer, row, n_tokens: int, *, flag: str | None = None) -> list[int]:
+    """`build_exact_prompt` with its errors as ConfigErrors: a template's names its file, a row's the N
+    (`flag`, default `--config.data.prompt_tokens=N`)."""
     from glm52_jax.rl.prompts import build_exact_prompt
     from glm52_jax.rollout.chat_template import ChatTemplateError
 
@@ -127,7 +128,7 @@ def exact_prompt(tokenizer, row, n_tokens: int) -> list[int]:
     except ChatTemplateError as e:
         raise ConfigError(str(e)) from None
     except ValueError as e:
-        raise ConfigError(f"--config.data.prompt_tokens={n_tokens}: row {row.index}: {e}") from None
+        raise ConfigError(f"{flag or f'--config.data.prompt_tokens={n_tokens}'}: row {row.index}: {e}") from None
 
 
 @dataclasses.dataclass
@@ -171,6 +172,9 @@ def resolve(spec: RunSpec, *, data: bool = True) -> RunInputs:
     tok = tokenizer_for(spec.model)
     prompts = [exact_prompt(tok, rows[(spec.data.first_row + i) % len(rows)], spec.data.prompt_tokens)
                for i in range(spec.search.max_candidates)]
+    if spec.search.probe_tokens:  # the first transaction's probe: the first row's exact-N prompt
+        exact_prompt(tok, rows[spec.data.first_row % len(rows)], spec.search.probe_tokens,
+                     flag=f"--config.search.probe_tokens={spec.search.probe_tokens}")
     if max(max(p) for p in prompts) >= model_cfg.vocab_size:
         raise ConfigError(f"the tokenizer's ids exceed the model's vocab_size {model_cfg.vocab_size} "
                           f"(--config.model.tokenizer={spec.model.tokenizer})")

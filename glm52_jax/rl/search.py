@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from glm52_jax.rl.inputs import RunInputs
+from glm52_jax.rl.inputs import RunInputs, exact_prompt
+from glm52_jax.rl.samples import REQUEST_CANDIDATE, REQUEST_PROBE, request_records
 from glm52_jax.rl.settings import sampling_params
 
 
@@ -30,12 +31,52 @@ def candidate_seeds(step_key, count: int) -> list[int]:
     return [int(x) for x in np.asarray(jax.random.randint(step_key, (count,), 0, 2**31 - 1))]
 
 
+def probe_seed(step_key) -> int:
+    """The engine probe's sampling seed: from its own stream (the candidates' seeds stay as without a probe)."""
+    import jax
+
+    return candidate_seeds(jax.random.fold_in(step_key, 1), 1)[0]
+
+
+def _texts(inputs: RunInputs, res, g: int) -> list[str]:
+    # Special tokens (the stop token) are not part of the answer text the reward parses.
+    return [inputs.tokenizer.decode(res.completion(j), skip_special_tokens=True) for j in range(g)]
+
+
+def engine_probe(inputs: RunInputs, cursor: int, seed: int, sampler, n_tokens: int) -> tuple[dict, dict, list[dict]]:
+    """One short request before the long ones (`search.probe_tokens`): the exact-`n_tokens` prompt of the
+    row at `cursor`, G samples with the run's sampling settings.
+
+    Returns (the receipt's "probe" section with its own decode audit, its timing (nondeterministic), its
+    sampler records). The probe's prompt KV is dropped from the prefix cache afterwards, so the candidates
+    run as they would without it.
+    """
+    from glm52_jax.rl import decode_audit
+
+    spec = inputs.spec
+    row = inputs.rows[cursor % len(inputs.rows)]
+    prompt = exact_prompt(inputs.tokenizer, row, n_tokens, flag=f"--config.search.probe_tokens={n_tokens}")
+    stop_ids = tuple(int(i) for i in sampler.cfg.eos_token_id)
+    res = sampler.sample(prompt, sampling_params(spec.sampling, stop_ids, seed))
+    sampler.prefix_cache.clear()
+    texts = _texts(inputs, res, spec.sampling.num_samples)
+    records = request_records(REQUEST_PROBE, None, row.index, prompt, seed, res, texts)
+    section = {"prompt_tokens": len(prompt), "row": row.index, "seed": seed,
+               "prompt_sha256": records[0]["prompt_sha256"], "tokens": [r["tokens"] for r in records],
+               "texts": texts, "lengths": res.lengths.tolist(), "finish_reasons": res.finish_reasons,
+               "decode_audit": decode_audit.audit(records)}
+    timing = {"prefill_seconds": round(res.prefill_seconds, 3), "decode_seconds": round(res.decode_seconds, 3)}
+    return section, timing, records
+
+
 def search_group(inputs: RunInputs, cursor: int, seeds: list[int], sampler, *, step: int,
-                 event: Callable[..., None], log: Callable[[str], None]) -> tuple[list[dict], Accepted | None]:
+                 event: Callable[..., None], log: Callable[[str], None],
+                 samples: list[dict] | None = None) -> tuple[list[dict], Accepted | None]:
     """Samples candidates (rows from data position `cursor`) until a group's rewards differ.
 
-    Returns (one record per candidate tried, the accepted group or None). Timings go to `event`
-    only: the receipt's other sections must reproduce bit for bit.
+    Returns (one record per candidate tried, the accepted group or None); appends every sample's raw
+    record (`rl.samples`) to `samples` when given. Timings go to `event` only: the receipt's other
+    sections must reproduce bit for bit.
     """
     from glm52_jax.rl.rewards.dapo import compute_score
 
@@ -46,8 +87,9 @@ def search_group(inputs: RunInputs, cursor: int, seeds: list[int], sampler, *, s
     for i in range(spec.search.max_candidates):
         row, prompt = inputs.candidate(cursor, i)
         res = sampler.sample(prompt, sampling_params(spec.sampling, stop_ids, seeds[i]))
-        # Special tokens (the stop token) are not part of the answer text the reward parses.
-        texts = [inputs.tokenizer.decode(res.completion(j), skip_special_tokens=True) for j in range(g)]
+        texts = _texts(inputs, res, g)
+        if samples is not None:
+            samples += request_records(REQUEST_CANDIDATE, i, row.index, prompt, seeds[i], res, texts)
         scores = [compute_score(text, row.ground_truth) for text in texts]
         rewards = [float(sc["score"]) for sc in scores]
         candidates.append({"candidate": i, "row": row.index, "ground_truth": row.ground_truth, "rewards": rewards,

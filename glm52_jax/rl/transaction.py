@@ -1,8 +1,10 @@
 """One online GRPO transaction (DESIGN §1): search, sample, reward, one update, evidence.
 
-    parameter inventory -> bounded candidate search (exact-N prompt, G samples, DAPO reward; accept
-    the first group whose rewards differ) -> inventory unchanged by sampling -> G backwards in the
-    configured gradient mode, exactly one AdamW step -> artifacts + receipt (committed last).
+    parameter inventory -> optional engine probe (one short exact-N request, `search.probe_tokens`)
+    -> bounded candidate search (exact-N prompt, G samples, DAPO reward; accept the first group whose
+    rewards differ) -> inventory unchanged by sampling -> G backwards in the configured gradient mode,
+    exactly one AdamW step -> artifacts (raw sampler records in `samples.jsonl`) + receipt (with a
+    decode audit of every candidate sample), committed last.
 
 `run_transaction` composes three parts: `update` (the gradient step and new log-probs),
 `write_artifacts` (arrays, JSON records, traces) and `receipt_fields` (the receipt's sections).
@@ -17,8 +19,10 @@ from typing import Any
 import numpy as np
 
 from glm52_jax.evidence.hashing import sha256_bytes, state_bytes
+from glm52_jax.rl import decode_audit
 from glm52_jax.rl.inputs import RunInputs
-from glm52_jax.rl.search import Accepted, candidate_seeds, response_batch, search_group
+from glm52_jax.rl.samples import REQUEST_CANDIDATE, jsonl_bytes
+from glm52_jax.rl.search import Accepted, candidate_seeds, engine_probe, probe_seed, response_batch, search_group
 from glm52_jax.rl.settings import loss_settings
 
 
@@ -71,7 +75,8 @@ def update(inputs: RunInputs, model, optimizer, sampler, accepted: Accepted) -> 
 
 
 def write_artifacts(writer, spec, *, arrays: dict, seeds: list[int], stop_ids, candidates: list[dict],
-                    inventories: tuple[dict, dict], lora: tuple[bytes, bytes], cleanup: dict, traces: list) -> None:
+                    samples: list[dict], inventories: tuple[dict, dict], lora: tuple[bytes, bytes], cleanup: dict,
+                    traces: list) -> None:
     """Every artifact of a transaction (each hashed into the manifest)."""
     for name, array in sorted(arrays.items()):
         writer.add_array(name, array, kind="array")
@@ -81,6 +86,7 @@ def write_artifacts(writer, spec, *, arrays: dict, seeds: list[int], stop_ids, c
                                              "stop_token_ids": list(stop_ids), "seeds": seeds[:len(candidates)]},
                     kind="sampling")
     writer.add_json("rewards.json", candidates, kind="rewards")
+    writer.add_bytes("samples.jsonl", jsonl_bytes(samples), kind="samples")
     writer.add_json("inventory_before_sampling.json", inventories[0], kind="inventory")
     writer.add_json("inventory_after_sampling.json", inventories[1], kind="inventory")
     writer.add_bytes("lora_before.safetensors", lora[0], kind="lora")
@@ -89,14 +95,17 @@ def write_artifacts(writer, spec, *, arrays: dict, seeds: list[int], stop_ids, c
     writer.add_bytes("traces/rank0.jsonl", "".join(json.dumps(r) + "\n" for r in traces).encode(), kind="trace")
 
 
-def receipt_fields(inputs: RunInputs, cfg, *, step: int, cursor: int, candidates: list[dict],
-                   accepted: Accepted | None, training: dict, numerics: dict, cleanup: dict, traces: list) -> dict:
-    """The receipt's sections (the manifest and provenance are added by the writer)."""
+def receipt_fields(inputs: RunInputs, cfg, *, step: int, cursor: int, candidates: list[dict], samples: list[dict],
+                   accepted: Accepted | None, training: dict, numerics: dict, cleanup: dict, traces: list,
+                   probe: tuple[dict, dict] | None) -> dict:
+    """The receipt's sections (the manifest and provenance are added by the writer). `probe`: the engine
+    probe's (record, timing), its timing a nondeterministic section."""
     import jax
 
     spec = inputs.spec
     m, mesh = spec.model, spec.mesh_spec()
     devices = jax.devices()
+    probe_sections = {} if probe is None else {"probe": probe[0], "probe_timing": probe[1]}
     return {
         "transaction": {"step": step, "data_cursor": cursor},
         "prompt": {"tokens": spec.data.prompt_tokens, "filler": "deterministic, shared across rows",
@@ -113,11 +122,13 @@ def receipt_fields(inputs: RunInputs, cfg, *, step: int, cursor: int, candidates
         "completions": [{"candidate": cd["candidate"], "texts": cd["texts"], "lengths": cd["lengths"],
                          "finish_reasons": cd["finish_reasons"]} for cd in candidates],
         "rewards": [cd["rewards"] for cd in candidates],
+        "decode_audit": decode_audit.audit(r for r in samples if r["request"] == REQUEST_CANDIDATE),
+        **probe_sections,
         "training": training,
         "numerics": numerics,
         "traces": {"ranks": 1, "events": len(traces)},
         "cleanup": cleanup,
-        "nondeterministic": ["traces", "artifacts/traces/rank0.jsonl"],
+        "nondeterministic": ["traces", "artifacts/traces/rank0.jsonl"] + (["probe_timing"] if probe else []),
     }
 
 
@@ -134,7 +145,16 @@ def run_transaction(inputs: RunInputs, *, step: int, step_key, cursor: int, mode
     stop_ids = tuple(int(i) for i in model.cfg.eos_token_id)
     seeds = candidate_seeds(step_key, spec.search.max_candidates)
     event("step_start", traces, step=step, cursor=cursor)
-    candidates, accepted = search_group(inputs, cursor, seeds, sampler, step=step,
+    samples: list[dict[str, Any]] = []
+    probe = None
+    if spec.search.probe_tokens:
+        record, timing, samples = engine_probe(inputs, cursor, probe_seed(step_key), sampler,
+                                               spec.search.probe_tokens)
+        probe = (record, timing)
+        event("probe", traces, step=step, **timing)
+        log(f"step {step} probe: {record['prompt_tokens']} prompt tokens, finish {record['finish_reasons']}, "
+            f"prefill {timing['prefill_seconds']} s, decode {timing['decode_seconds']} s")
+    candidates, accepted = search_group(inputs, cursor, seeds, sampler, step=step, samples=samples,
                                         event=lambda kind, **kw: event(kind, traces, **kw), log=log)
     inventory_after = param_inventory(model)
     changed = changed_entries(inventory_before, inventory_after)
@@ -163,10 +183,11 @@ def run_transaction(inputs: RunInputs, *, step: int, step_key, cursor: int, mode
     event("step_done", traces, step=step, status=training["status"])
 
     write_artifacts(writer, spec, arrays=arrays, seeds=seeds, stop_ids=stop_ids, candidates=candidates,
-                    inventories=(inventory_before, inventory_after), lora=(lora_before, lora_after),
+                    samples=samples, inventories=(inventory_before, inventory_after), lora=(lora_before, lora_after),
                     cleanup=cleanup, traces=traces)
-    fields = receipt_fields(inputs, model.cfg, step=step, cursor=cursor, candidates=candidates, accepted=accepted,
-                            training=training, numerics=numerics, cleanup=cleanup, traces=traces)
+    fields = receipt_fields(inputs, model.cfg, step=step, cursor=cursor, candidates=candidates, samples=samples,
+                            accepted=accepted, training=training, numerics=numerics, cleanup=cleanup, traces=traces,
+                            probe=probe)
     receipt = writer.commit(fields)
     log(f"step {step} receipt: {receipt}")
     return {"step": step, "receipt": str(receipt), "status": training["status"], "candidates": len(candidates),

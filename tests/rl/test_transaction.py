@@ -52,11 +52,16 @@ def _wait_for(proc, metrics: Path, event: dict, timeout: float = 900):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Two transactions of the embedded policy in this process without interruption, and the README's
-    quick-start commands: run (killed during step 2's update), resume to step 3, verify, export."""
+def inproc(tmp_path_factory):
+    """Two transactions of the embedded policy in this process without interruption: (workdir, summary)."""
     first = tmp_path_factory.mktemp("run_inproc")
-    summary = run_online(_spec(**{"train.steps": 2}), first, log=lambda msg: None)
+    return first, run_online(_spec(**{"train.steps": 2}), first, log=lambda msg: None)
+
+
+@pytest.fixture(scope="module")
+def runs(inproc, tmp_path_factory):
+    """`inproc`, and the README's quick-start commands: run (killed during step 2's update), resume to
+    step 3, verify, export."""
     commands = readme_commands("## Quick start")
     assert [c[:3] for c in commands] == [["python", "-m", "glm52_jax.launch"]] * 2 + \
         [["python", "-m", "glm52_jax.evidence"], ["python", "-m", "glm52_jax.launch"]], commands
@@ -79,7 +84,7 @@ def runs(tmp_path_factory):
         done = subprocess.run(_argv(command, second), capture_output=True, text=True, timeout=900, cwd=ROOT)
         assert done.returncode == 0, (name, done.stderr[-3000:])
         out[name] = done
-    return {"inproc": (first, summary), "cli": second, "killed": killed, "refused": refused,
+    return {"inproc": inproc, "cli": second, "killed": killed, "refused": refused,
             "refused_seconds": refused_seconds, **out}
 
 
@@ -219,6 +224,7 @@ def test_corrupt_latest_checkpoint_is_one_line_naming_the_fallback(runs, tmp_pat
     ("model.checkpoint", "/nonexistent/ckpt", "no config.json"),
     ("data.prompt_tokens", 65536, "position capacity"),
     ("data.prompt_tokens", 20, "prompt_tokens"),
+    ("search.probe_tokens", 20, "search.probe_tokens=20: n_tokens=20 is too small"),
 ])
 def test_files_that_cannot_run_fail_before_any_model_work(key, value, match):
     with pytest.raises(ConfigError, match=match):
@@ -376,6 +382,7 @@ def test_2m_config_is_the_seeds_run(monkeypatch):
     assert cfg.rope.rope_type == "yarn" and cfg.indexer_types.count("full") == 21
     assert [len(p) for p in inputs.first_prompts] == [2_097_152] * 8
     assert (spec.sampling.max_new_tokens, spec.sampling.num_samples, spec.model.lora_rank) == (16, 2, 8)
+    assert spec.search.probe_tokens == 65_536  # the seed's 64K engine probe before the exact-2M requests
     assert spec.mesh_spec().describe() == "DP1/TP1/CP32/EP32/PP1"
     with pytest.raises(ConfigError, match="position capacity"):  # one more token than the payload allows
         resolve(spec.replace(**{"data.prompt_tokens": 2_097_153}))
@@ -436,3 +443,153 @@ def test_broken_data_rows_fail_before_any_model_work(tmp_path):
         resolve(_spec(**{"data.path": str(path)}))
     with pytest.raises(ConfigError, match="no DAPO data file"):
         resolve(_spec(**{"data.path": str(tmp_path / "missing.jsonl")}))
+
+
+SAMPLE_KEYS = {"request", "candidate", "row", "prompt_tokens", "prompt_sha256", "seed", "sample", "length", "tokens",
+               "logprobs", "text", "finish_reason"}
+
+
+def test_samples_jsonl_holds_every_sample_bound_to_the_receipt(inproc):
+    """samples.jsonl: in the manifest and the deterministic view, one line per sample of every candidate
+    with prompt hash, seed, tokens, log-probs, text, finish reason and length; the accepted candidate's
+    lines equal its arrays, every line its rewards.json entry; the decode audit recomputes from it."""
+    import hashlib
+
+    from glm52_jax.rl import decode_audit
+
+    workdir, _ = inproc
+    spec = _spec(**{"train.steps": 2})
+    inputs = resolve(spec)
+    g = spec.sampling.num_samples
+    for step in (1, 2):
+        path = _receipt(workdir, step)
+        receipt = json.loads(path.read_text())
+        art = path.parent / "artifacts"
+        assert {"path": "artifacts/samples.jsonl", "kind": "samples"}.items() <= \
+            next(e for e in receipt["manifest"] if e["path"] == "artifacts/samples.jsonl").items()
+        assert "artifacts/samples.jsonl" in [e["path"] for e in deterministic_view(path)["manifest"]]
+        lines = [json.loads(line) for line in (art / "samples.jsonl").read_text().splitlines()]
+        rewards = json.loads((art / "rewards.json").read_text())
+        seeds = json.loads((art / "sampling_params.json").read_text())["seeds"]
+        assert len(lines) == g * receipt["candidate_search"]["tried"] == g * len(rewards)
+        cursor = receipt["transaction"]["data_cursor"]
+        for line in lines:
+            assert set(line) == SAMPLE_KEYS and line["request"] == "candidate"
+            c, j = line["candidate"], line["sample"]
+            cd = rewards[c]
+            row, prompt = inputs.candidate(cursor, c)
+            assert (line["row"], line["seed"], line["prompt_tokens"]) == (cd["row"], seeds[c], 256) == \
+                (row.index, seeds[c], len(prompt))
+            assert line["prompt_sha256"] == hashlib.sha256(np.asarray(prompt, "<i4").tobytes()).hexdigest()
+            assert (line["text"], line["length"], line["finish_reason"]) == \
+                (cd["texts"][j], cd["lengths"][j], cd["finish_reasons"][j])
+            assert len(line["tokens"]) == len(line["logprobs"]) == line["length"] >= 1
+        accepted = receipt["candidate_search"]["accepted"]
+        tokens, old = np.load(art / "completion_tokens.npy"), np.load(art / "old_logprobs.npy")
+        prompt_ids = np.load(art / "prompt_token_ids.npy")
+        mine = [line for line in lines if line["candidate"] == accepted]
+        assert [line["sample"] for line in mine] == list(range(g))
+        for line in mine:
+            j, n = line["sample"], line["length"]
+            np.testing.assert_array_equal(np.asarray(line["tokens"]), tokens[j, :n])
+            np.testing.assert_array_equal(np.asarray(line["logprobs"], np.float32), old[j, :n])  # exact float32
+            assert np.all(tokens[j, n:] == -1) and np.all(old[j, n:] == 0)  # nothing after the record's end
+            assert line["prompt_sha256"] == hashlib.sha256(prompt_ids.astype("<i4").tobytes()).hexdigest()
+        audit = receipt["decode_audit"]
+        assert audit == decode_audit.audit(lines)
+        assert audit["samples"] == len(lines) and audit["stopped"] + audit["length_capped"] == len(lines)
+        assert audit["stopped"] == sum(cd["finish_reasons"].count("stop") for cd in rewards)
+        assert "probe" not in receipt and "probe_timing" not in receipt  # off in the tiny config
+
+
+def _reseal(run: Path, edit) -> None:
+    """Edits rewards.json and the receipt with `edit(rewards, receipt)`, then recomputes the artifact's
+    size and sha256 in the manifest, manifest_sha256 and receipt_sha256, as a forger would."""
+    import hashlib
+
+    from glm52_jax.evidence import canonical_sha256
+
+    receipt = json.loads((run / "receipt.json").read_text())
+    rewards_path = run / "artifacts" / "rewards.json"
+    rewards = json.loads(rewards_path.read_text())
+    edit(rewards, receipt)
+    data = (json.dumps(rewards, sort_keys=True, indent=2, ensure_ascii=True) + "\n").encode()
+    rewards_path.write_bytes(data)
+    entry = next(e for e in receipt["manifest"] if e["path"] == "artifacts/rewards.json")
+    entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    receipt.pop("receipt_sha256")
+    receipt["manifest_sha256"] = canonical_sha256(receipt["manifest"])
+    receipt["receipt_sha256"] = canonical_sha256(receipt)
+    (run / "receipt.json").write_text(json.dumps(receipt, indent=2))
+
+
+def test_recompute_rewards_passes_on_the_run_and_fails_on_a_resealed_forgery(inproc, tmp_path):
+    """`verify --recompute-rewards` (the CLI, a real process): exit 0 on a real receipt; a reward edited in
+    rewards.json and in the receipt's rewards section, every hash re-sealed, passes the hash check but
+    fails the recomputation with exactly one line naming the sample."""
+    src = _receipt(inproc[0], 1).parent
+    forged = tmp_path / "forged"
+    shutil.copytree(src, forged)
+    accepted = json.loads((src / "receipt.json").read_text())["candidate_search"]["accepted"]
+
+    def flip(rewards, receipt):
+        rewards[accepted]["rewards"][0] *= -1.0
+        receipt["rewards"][accepted][0] *= -1.0
+
+    _reseal(forged, flip)
+    assert verify(forged) == []  # the hashes alone no longer catch it
+    procs = [subprocess.Popen([sys.executable, "-m", "glm52_jax.evidence", "verify", "--recompute-rewards", str(d)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+             for d in (src, forged)]
+    (good, _), (bad, _) = (p.communicate(timeout=120) for p in procs)
+    assert procs[0].returncode == 0, good
+    n = sum(len(r) for r in json.loads((src / "receipt.json").read_text())["rewards"])
+    assert good.splitlines()[1] == f"OK {n} rewards recomputed with the DAPO rule, all equal to the stored ones"
+    stored = json.loads((forged / "artifacts" / "rewards.json").read_text())[accepted]
+    lines = bad.splitlines()
+    assert procs[1].returncode == 1 and len(lines) == 1, bad
+    assert lines[0].startswith(f"artifacts/rewards.json: candidate {accepted} sample 0: stored reward "
+                               f"{stored['rewards'][0]!r}, recomputed {-stored['rewards'][0]!r}"), lines
+
+
+def test_engine_probe_request_on_the_embedded_policy(inproc, tmp_path):
+    """The probe path on a fresh embedded policy (the state step 1 sampled with): an exact-N request of the
+    cursor's row recorded with tokens, texts, finish reasons and timing, the prefix cache left empty. At
+    N = data.prompt_tokens with candidate 0's seed it is candidate 0's request, so it must reproduce step 1's
+    candidate 0 samples exactly. Its receipt sections: "probe" deterministic, "probe_timing" not."""
+    from glm52_jax.evidence import EvidenceWriter
+    from glm52_jax.rl import decode_audit, settings
+    from glm52_jax.rl.policy import build_policy
+    from glm52_jax.rl.samples import jsonl_bytes
+    from glm52_jax.rl.search import engine_probe
+    from glm52_jax.rl.transaction import receipt_fields
+
+    spec = _spec(**{"train.steps": 2})
+    inputs = resolve(spec)
+    model, _ = build_policy(spec, inputs)
+    sampler = settings.sampler(spec.sampling, model)
+    art = _receipt(inproc[0], 1).parent / "artifacts"
+    seed = json.loads((art / "sampling_params.json").read_text())["seeds"][0]
+    section, timing, records = engine_probe(inputs, 0, seed, sampler, spec.data.prompt_tokens)
+    assert len(sampler.prefix_cache) == 0
+    assert timing["prefill_seconds"] >= 0 and timing["decode_seconds"] > 0
+    step1 = [json.loads(line) for line in (art / "samples.jsonl").read_text().splitlines()]
+    want = [line for line in step1 if line["candidate"] == 0]
+    assert [{**r, "request": "candidate", "candidate": 0} for r in records] == want
+    assert section == {"prompt_tokens": 256, "row": want[0]["row"], "seed": seed,
+                       "prompt_sha256": want[0]["prompt_sha256"], "tokens": [r["tokens"] for r in want],
+                       "texts": [r["text"] for r in want], "lengths": [r["length"] for r in want],
+                       "finish_reasons": [r["finish_reason"] for r in want], "decode_audit": decode_audit.audit(want)}
+    assert all(r["request"] == "probe" and r["candidate"] is None for r in records)
+
+    receipt = json.loads((art.parent / "receipt.json").read_text())
+    candidates = json.loads((art / "rewards.json").read_text())
+    fields = receipt_fields(inputs, model.cfg, step=1, cursor=0, candidates=candidates, samples=records + step1,
+                            accepted=None, training={}, numerics={}, cleanup={}, traces=[], probe=(section, timing))
+    assert fields["probe"] == section and fields["probe_timing"] == timing
+    assert fields["decode_audit"] == receipt["decode_audit"]  # the candidates' audit leaves the probe out
+    writer = EvidenceWriter(tmp_path / "run")
+    writer.add_bytes("samples.jsonl", jsonl_bytes(records + step1), kind="samples")
+    writer.add_bytes("traces/rank0.jsonl", b"", kind="trace")
+    view = deterministic_view(writer.commit(fields))
+    assert "probe" in view and "probe_timing" not in view

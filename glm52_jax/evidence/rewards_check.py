@@ -1,0 +1,142 @@
+"""Independent reward recomputation: every stored reward of a receipt, recomputed from its stored texts.
+
+    python -m glm52_jax.evidence verify --recompute-rewards RECEIPT
+
+The hashes bind the files to the receipt, but a forger who edits a reward can re-seal them (new
+artifact sha256, manifest_sha256, receipt_sha256). This check does not trust the stored numbers:
+each artifact of kind "rewards" (a transaction's `rewards.json`, a parity run's `candidates.json`:
+one record per candidate with "texts", "ground_truth", "rewards", "preds") is re-scored with the
+project's DAPO rule (`rl.rewards.dapo.compute_score`, default Minerva mode, as the run scores),
+and compared with the stored rewards and predictions, with the receipt's "rewards" section, and
+with the raw sampler texts of `samples.jsonl` when the receipt has one.
+
+The reward module is imported when the check runs; it needs only the standard library, so the
+evidence package still starts without JAX or numpy.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from glm52_jax.evidence.receipt import RECEIPT_NAME, EvidenceError, load_receipt
+
+REWARDS_KIND = "rewards"
+SAMPLES_KIND = "samples"
+_CANDIDATE_KEYS = ("candidate", "texts", "ground_truth", "rewards", "preds")
+
+
+def _artifacts(receipt: Mapping[str, Any], kind: str) -> list[str]:
+    manifest = receipt.get("manifest")
+    return [e["path"] for e in manifest if isinstance(e, dict) and e.get("kind") == kind] \
+        if isinstance(manifest, list) else []
+
+
+def _read_json(run_dir: Path, path: str) -> Any:
+    try:
+        return json.loads((run_dir / PurePosixPath(path)).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise EvidenceError(f"{path}: cannot read it as JSON ({e})") from None
+
+
+def _candidate_problem(cd: Any) -> str | None:
+    if not isinstance(cd, dict) or any(k not in cd for k in _CANDIDATE_KEYS):
+        return f"expected an object with keys {list(_CANDIDATE_KEYS)}"
+    n = len(cd["texts"]) if isinstance(cd["texts"], list) else -1
+    if n < 0 or not all(isinstance(t, str) for t in cd["texts"]) or not isinstance(cd["ground_truth"], str):
+        return "'texts' must be a list of strings and 'ground_truth' a string"
+    if not isinstance(cd["rewards"], list) or len(cd["rewards"]) != n or not isinstance(cd["preds"], list) \
+            or len(cd["preds"]) != n:
+        return f"'rewards' and 'preds' must be lists of {n} entries (one per text)"
+    return None
+
+
+def recompute_candidates(path: str, candidates: Any) -> tuple[list[str], int]:
+    """(a line per difference, rewards recomputed) for one rewards artifact's candidate records."""
+    from glm52_jax.rl.rewards.dapo import compute_score
+
+    if not isinstance(candidates, list):
+        return [f"{path}: expected a list of candidate records"], 0
+    failures, count = [], 0
+    for i, cd in enumerate(candidates):
+        problem = _candidate_problem(cd)
+        if problem:
+            failures.append(f"{path}: record {i} is malformed: {problem}")
+            continue
+        for j, text in enumerate(cd["texts"]):
+            score = compute_score(text, cd["ground_truth"])
+            count += 1
+            where = f"{path}: candidate {cd['candidate']} sample {j}"
+            if cd["rewards"][j] != score["score"]:
+                failures.append(f"{where}: stored reward {cd['rewards'][j]!r}, recomputed {score['score']!r} "
+                                f"(pred {score['pred']!r}, ground truth {cd['ground_truth']!r})")
+            if cd["preds"][j] != score["pred"]:
+                failures.append(f"{where}: stored pred {cd['preds'][j]!r}, recomputed {score['pred']!r}")
+    return failures, count
+
+
+def _cross_checks(receipt: Mapping[str, Any], path: str, candidates: list, sample_texts: dict | None) -> list[str]:
+    """The receipt's "rewards" section and the raw sampler texts against one rewards artifact."""
+    failures = []
+    section = receipt.get("rewards")
+    if section is not None and section != [cd.get("rewards") for cd in candidates if isinstance(cd, dict)]:
+        failures.append(f"receipt section 'rewards' {section!r} differs from the rewards in {path}")
+    if sample_texts is not None:
+        for cd in candidates:
+            if not isinstance(cd, dict):
+                continue
+            raw = sample_texts.get(cd.get("candidate"))
+            if raw != cd.get("texts"):
+                failures.append(f"{path}: candidate {cd.get('candidate')}: texts differ from samples.jsonl "
+                                f"({cd.get('texts')!r} vs {raw!r})")
+    return failures
+
+
+def _sample_texts(run_dir: Path, paths: Sequence[str]) -> tuple[dict | None, list[str]]:
+    """{candidate: [text of sample 0, 1, ...]} from the candidate requests of `samples.jsonl`."""
+    if not paths:
+        return None, []
+    texts: dict[Any, dict[int, str]] = {}
+    try:
+        for line in (run_dir / PurePosixPath(paths[0])).read_text(encoding="utf-8").splitlines():
+            record = json.loads(line)
+            if record.get("request") == "candidate":
+                texts.setdefault(record["candidate"], {})[record["sample"]] = record["text"]
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        return None, [f"{paths[0]}: cannot read the sampler records ({type(e).__name__}: {e})"]
+    return {c: [by_sample[j] for j in sorted(by_sample)] for c, by_sample in texts.items()}, []
+
+
+def recompute_rewards(receipt_path: str | Path) -> tuple[list[str], int]:
+    """(a line per difference, rewards recomputed) over every rewards artifact of the receipt.
+
+    A receipt without a rewards artifact is a failure (there is nothing to recompute). Hashes are
+    not checked here: `receipt.verify` does that.
+    """
+    receipt_path = Path(receipt_path)
+    if receipt_path.is_dir():
+        receipt_path = receipt_path / RECEIPT_NAME
+    try:
+        receipt = load_receipt(receipt_path)
+    except EvidenceError as e:
+        return [str(e)], 0
+    run_dir = receipt_path.parent
+    paths = _artifacts(receipt, REWARDS_KIND)
+    if not paths:
+        return [f"{receipt_path}: no artifact of kind {REWARDS_KIND!r} to recompute"], 0
+    sample_texts, failures = _sample_texts(run_dir, _artifacts(receipt, SAMPLES_KIND))
+    total = 0
+    for path in paths:
+        try:
+            candidates = _read_json(run_dir, path)
+        except EvidenceError as e:
+            failures.append(str(e))
+            continue
+        lines, count = recompute_candidates(path, candidates)
+        failures += lines
+        total += count
+        if isinstance(candidates, list):
+            failures += _cross_checks(receipt, path, candidates, sample_texts)
+    return failures, total
