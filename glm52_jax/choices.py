@@ -13,4 +13,5 @@ KERNELS = ("auto", "reference", "pallas")  # model/options.py: auto = pallas on 
 DTYPES = ("float32", "bfloat16")  # parameter (and activation) dtype of the base model
 PRESETS = ("tiny", "glm52")  # config.py architectures for `model.checkpoint="random"` and plan mode
 CHECKPOINT_KEYWORDS = ("embedded", "random")  # model.checkpoint besides a directory path
-PLAN_PROGRAMS = ("prefill", "forward", "decode", "train", "new_logprobs")  # plan/: programs plan mode can compile
+# plan/: programs plan mode can compile
+PLAN_PROGRAMS = ("prefill", "forward", "decode", "train", "new_logprobs", "inventory")

@@ -69,7 +69,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.parity.reference = "conventional"  # the mode the others are compared with
 
     c.plan = ml_collections.ConfigDict()  # --mode=plan: AOT compile for the mesh, no weights
-    c.plan.programs = ("prefill", "decode", "train", "new_logprobs")  # programs to compile (also: forward)
+    # Programs to compile: every program of a transaction (also: forward, a reference).
+    c.plan.programs = ("prefill", "decode", "train", "new_logprobs", "inventory")
     c.plan.hbm_gib = 96.0  # per-device memory the programs must fit (H20: 96 GiB)
 
     c.export = ml_collections.ConfigDict()  # --mode=export: PEFT adapter + merged HF checkpoint

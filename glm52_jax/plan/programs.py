@@ -14,11 +14,13 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from glm52_jax.checkpoint import digest
 from glm52_jax.model.lora import LoRA
 from glm52_jax.plan.abstract import abstract_cache, model_segments, sds, sds_even
 from glm52_jax.rl import gradients
@@ -171,6 +173,17 @@ def new_logprobs_program(s: PlanSetup) -> Program:
     return Program(new_logprobs, args, {}, what, 1)
 
 
+def inventory_program(s: PlanSetup) -> Program:
+    """The parameter inventory taken before and after sampling: `checkpoint.digest`'s on-device digest
+    of every array of the state, one [n_arrays, 4] uint32 table out (no weight leaves its device)."""
+
+    def inventory(state):
+        return jnp.stack([digest.array_digest(x) for x in jax.tree.leaves(state)])
+
+    n = len(jax.tree.leaves(s.state))
+    return Program(inventory, (s.state,), {}, f"parameter inventory: on-device digests of {n} arrays", 2)
+
+
 # name -> builder(setup, adamw), one per `choices.PLAN_PROGRAMS`; "forward" is a reference, not part of
 # a transaction.
 BUILDERS: dict[str, Callable[[PlanSetup, Any], Program]] = {
@@ -179,4 +192,5 @@ BUILDERS: dict[str, Callable[[PlanSetup, Any], Program]] = {
     "decode": lambda s, adamw: decode_program(s),
     "train": train_program,
     "new_logprobs": lambda s, adamw: new_logprobs_program(s),
+    "inventory": lambda s, adamw: inventory_program(s),
 }

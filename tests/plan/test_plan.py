@@ -57,7 +57,7 @@ def _plan(mesh, programs, chunk_size=32, **kw):
 
 @pytest.fixture(scope="module")
 def folded():
-    return _plan(FOLDED, ("prefill", "decode", "train", "new_logprobs"))
+    return _plan(FOLDED, ("prefill", "decode", "train", "new_logprobs", "inventory"))
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +94,11 @@ def test_folded_memory_matches_the_abstract_state(folded):
     train = folded["programs"]["train"]["memory"]
     resident = weights + 2 * model["lora_bytes_per_device"] + cache["batch1_bytes_per_device"]
     assert 0 < train["argument_bytes"] - resident < 1024
+    # The inventory reads the weights where they live and returns 4 uint32 lanes per array, nothing else.
+    inventory = folded["programs"]["inventory"]
+    n_arrays = int(inventory["what"].split(" of ")[1].split()[0])
+    assert inventory["memory"]["argument_bytes"] == weights and inventory["memory"]["output_bytes"] == n_arrays * 16
+    assert inventory["calls_per_transaction"] == 2
     # The new log-probs read the weights and the batch-1 prompt cache (no G-row cache, no whole-sequence input).
     after = folded["programs"]["new_logprobs"]["memory"]
     assert 0 < after["argument_bytes"] - weights - cache["batch1_bytes_per_device"] < 1024
@@ -107,6 +112,8 @@ def test_folded_collectives_and_flops(folded):
             assert c["bytes_executed"] >= c["bytes"] >= 0 and (c["ops"] > 0) == (c["bytes"] > 0)
         fl = p["flops"]
         assert fl["xla_flops"] > 0 and fl["flops_static"] > 0
+        if name == "inventory":  # elementwise mixing and sums: no loops, no GEMMs (checked below)
+            continue
         # The HLO count reproduces XLA's own (loop bodies once) to within a few percent...
         assert 0.8 < fl["flops_static"] / fl["xla_flops"] < 1.2, (name, fl)
         # ...and the layer scan (2 repeats) and the query-block maps run their bodies several times.
@@ -127,7 +134,7 @@ def test_folded_collectives_and_flops(folded):
 
 def test_report_is_json_and_formats(folded):
     again = json.loads(json.dumps(folded))
-    assert again["programs"].keys() == {"prefill", "decode", "train", "new_logprobs"}
+    assert again["programs"].keys() == {"prefill", "decode", "train", "new_logprobs", "inventory"}
     text = format_plan(folded)
     for word in ("prefill", "decode", "train", "all-gather", "CP8/EP8", "fits"):
         assert word in text
