@@ -17,18 +17,13 @@ from typing import Any
 
 from glm52_jax.evidence.receipt import (
     NONDETERMINISTIC_KEY,
-    RECEIPT_NAME,
     RESERVED_KEYS,
     EvidenceError,
     load_receipt,
+    receipt_file,
     verify,
 )
 from glm52_jax.evidence.rewards_check import recompute_rewards
-
-
-def _receipt_path(arg: str) -> Path:
-    path = Path(arg)
-    return path / RECEIPT_NAME if path.is_dir() else path
 
 
 def _verify(path: Path, as_json: bool, recompute: bool) -> int:
@@ -94,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     p_show.add_argument("receipt", help="receipt.json or its run directory")
     args = parser.parse_args(argv)
 
-    path = _receipt_path(args.receipt)
+    path = receipt_file(args.receipt)
     if args.command == "verify":
         return _verify(path, args.json, args.recompute_rewards)
     try:

@@ -34,7 +34,7 @@ from glm52_jax.evidence.hashing import sha256_file
 from glm52_jax.evidence.provenance import canonical_sha256, check_json, collect_provenance
 
 __all__ = ["ARTIFACTS_DIR", "NONDETERMINISTIC_KEY", "RECEIPT_NAME", "RESERVED_KEYS", "SCHEMA", "VERSION",
-           "EvidenceError", "EvidenceWriter", "deterministic_view", "load_receipt", "verify"]
+           "EvidenceError", "EvidenceWriter", "deterministic_view", "load_receipt", "receipt_file", "verify"]
 
 SCHEMA = "glm52-jax/evidence"
 VERSION = 1
@@ -252,6 +252,12 @@ def load_receipt(path: str | os.PathLike) -> dict[str, Any]:
     return receipt
 
 
+def receipt_file(path: str | os.PathLike) -> Path:
+    """A receipt.json, or the run directory holding one -> the receipt.json's path."""
+    path = Path(path)
+    return path / RECEIPT_NAME if path.is_dir() else path
+
+
 def verify(receipt_path: str | os.PathLike) -> list[str]:
     """Recompute every hash of a receipt and its artifacts; return the failures (empty = valid).
 
@@ -259,9 +265,7 @@ def verify(receipt_path: str | os.PathLike) -> list[str]:
     receipt_sha256, manifest_sha256, each manifest path (plain, under artifacts/, no symlinks),
     each artifact's presence, size and sha256, and that artifacts/ holds nothing unlisted.
     """
-    receipt_path = Path(receipt_path)
-    if receipt_path.is_dir():
-        receipt_path = receipt_path / RECEIPT_NAME
+    receipt_path = receipt_file(receipt_path)
     try:
         receipt = load_receipt(receipt_path)
     except EvidenceError as e:

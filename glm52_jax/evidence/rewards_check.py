@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from glm52_jax.evidence.receipt import RECEIPT_NAME, EvidenceError, load_receipt
+from glm52_jax.evidence.receipt import EvidenceError, load_receipt, receipt_file
 
 REWARDS_KIND = "rewards"
 SAMPLES_KIND = "samples"
@@ -115,9 +115,7 @@ def recompute_rewards(receipt_path: str | Path) -> tuple[list[str], int]:
     A receipt without a rewards artifact is a failure (there is nothing to recompute). Hashes are
     not checked here: `receipt.verify` does that.
     """
-    receipt_path = Path(receipt_path)
-    if receipt_path.is_dir():
-        receipt_path = receipt_path / RECEIPT_NAME
+    receipt_path = receipt_file(receipt_path)
     try:
         receipt = load_receipt(receipt_path)
     except EvidenceError as e:
