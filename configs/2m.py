@@ -27,5 +27,7 @@ def get_config():
     # The 2M prompt's cache is ~211 GB in all, ~6.6 GB per device over 32: the budget keeps it, so the next
     # candidate (same filler, another question) recomputes only its tail chunks.
     c.sampling.prefix_cache_mib_per_device = 16_384
+    # The seed drew 8 samples per exact-2M request and trained on a group of G = 2 of them.
+    c.sampling.samples_per_request = 8
     c.search.probe_tokens = 65_536  # the seed's 64K engine probe before the exact-2M requests
     return c

@@ -169,6 +169,7 @@ class ModelSpec(_Section):
     lora_rank: int = _rules(at_least(1))
     lora_alpha: float = _rules(number(0.0))
     lora_families: tuple[str, ...] = _rules(subset_of(choices.LORA_FAMILIES))
+    init_adapter: str = _rules()
 
     @property
     def checkpoint_path(self) -> Path | None:
@@ -200,6 +201,7 @@ class DataSpec(_Section):
 @dataclasses.dataclass(frozen=True)
 class SamplingSpec(_Section):
     num_samples: int = _rules(at_least(2, "GRPO compares samples"))
+    samples_per_request: int = _rules(at_least(0, "0 = num_samples"))
     max_new_tokens: int = _rules(at_least(1))
     temperature: float = _rules(number(0.0))
     top_p: float = _rules(number(0.0, high=1.0))
@@ -207,6 +209,17 @@ class SamplingSpec(_Section):
     chunk_size: int = _rules(at_least(1))
     prefill_mode: str = _rules(one_of(choices.PREFILL_MODES))
     prefix_cache_mib_per_device: int = _rules(at_least(0))
+
+    def validate(self, prefix: str) -> None:
+        n = self.samples_per_request
+        _check(n == 0 or n >= self.num_samples, prefix + "samples_per_request", n,
+               f"must be 0 (= num_samples) or >= --config.{prefix}num_samples={self.num_samples} (the group is "
+               "chosen from the request's samples)")
+
+    @property
+    def per_request(self) -> int:
+        """Samples each sampler request draws (the group of `num_samples` is chosen from them)."""
+        return self.samples_per_request or self.num_samples
 
 
 @dataclasses.dataclass(frozen=True)

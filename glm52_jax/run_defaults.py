@@ -30,6 +30,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.lora_rank = 8  # LoRA rank r
     c.model.lora_alpha = 16.0  # LoRA scale = alpha / rank
     c.model.lora_families = choices.LORA_FAMILIES  # adapted weight families (attention, experts, ...)
+    # A PEFT adapter directory (adapter_config.json + adapter_model.safetensors, as --mode=export writes) whose
+    # adapters seed step 1 instead of fresh ones; its rank, alpha, families and shapes must match the lora_* keys.
+    # "" = fresh adapters (A random, B zero). A resumed run restores its checkpoint instead.
+    c.model.init_adapter = ""
 
     c.data = ml_collections.ConfigDict()
     c.data.path = ""  # DAPO-schema parquet/JSONL; "" = the 75 bundled rows
@@ -39,6 +43,9 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.sampling = ml_collections.ConfigDict()
     c.sampling.num_samples = 2  # G samples per prompt (the GRPO group)
+    # Samples each request draws (all rewarded and recorded); the update's G are chosen from them by the rule in
+    # rl/group.py. 0 = num_samples (the group is the request's samples). Otherwise >= num_samples.
+    c.sampling.samples_per_request = 0
     c.sampling.max_new_tokens = 32  # response length cap R
     c.sampling.temperature = 1.0  # > 0; old log-probs are taken at this temperature
     c.sampling.top_p = 1.0  # nucleus truncation, in (0, 1]; 1 = off

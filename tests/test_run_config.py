@@ -34,10 +34,13 @@ def test_configs_override_only_what_they_change():
     assert changed_2m == ["data.dedupe", "data.prompt_tokens", "mesh", "model.checkpoint", "model.dtype",
                           "model.preset", "model.rope_scaling_json", "name", "sampling.chunk_size",
                           "sampling.max_new_tokens", "sampling.prefill_mode", "sampling.prefix_cache_mib_per_device",
-                          "search.probe_tokens", "train.learning_rate"], changed_2m
+                          "sampling.samples_per_request", "search.probe_tokens", "train.learning_rate"], changed_2m
+    assert (m2["sampling.samples_per_request"], m2["sampling.num_samples"]) == (8, 2)  # the seed's 8 per request, G=2
+    assert (base["sampling.samples_per_request"], base["model.init_adapter"]) == (0, "")
     assert sorted(k for k in m2 if m2[k] != parity[k]) == ["data.prompt_tokens", "model.rope_scaling_json", "name",
                                                           "sampling.chunk_size", "sampling.prefill_mode",
-                                                          "sampling.prefix_cache_mib_per_device", "search.probe_tokens"]
+                                                          "sampling.prefix_cache_mib_per_device",
+                                                          "sampling.samples_per_request", "search.probe_tokens"]
 
 
 def test_the_spec_and_the_launcher_start_without_jax():
@@ -87,6 +90,11 @@ def test_the_spec_and_the_launcher_start_without_jax():
     ("name", "my run", "--config.name=my run: must be a non-empty name"),
     ("train.steps", 1.5, "--config.train.steps=1.5: must be an integer"),
     ("data.dedupe", 1, "--config.data.dedupe=1: must be True or False"),
+    ("sampling.samples_per_request", 1, "--config.sampling.samples_per_request=1: must be 0 (= num_samples) or >= "
+                                        "--config.sampling.num_samples=2 (the group is chosen from the request's "
+                                        "samples)"),
+    ("sampling.samples_per_request", -1, "--config.sampling.samples_per_request=-1: must be >= 0 (0 = num_samples)"),
+    ("model.init_adapter", 3, "--config.model.init_adapter=3: must be a string"),
 ])
 def test_bad_values_name_their_flag(key, value, message):
     with pytest.raises(ConfigError) as info:
@@ -111,6 +119,9 @@ def test_hashes_and_rerun_rules(tmp_path):
     longer = spec.replace(**{"train.steps": 5, "plan.hbm_gib": 141.0})
     assert longer.config_sha256() != spec.config_sha256() and longer.resume_sha256() == spec.resume_sha256()
     check_rerun(spec, longer, tmp_path)  # steps and plan settings may change
+    # The initial adapter and the samples per request are part of the run: a resume must share them.
+    for key, value in (("model.init_adapter", "/adapters/a"), ("sampling.samples_per_request", 8)):
+        assert spec.replace(**{key: value}).resume_sha256() != spec.resume_sha256(), key
     other = spec.replace(**{"train.learning_rate": 0.5, "sampling.num_samples": 4})
     assert differences(spec, other) == [("sampling.num_samples", 2, 4), ("train.learning_rate", 0.0001, 0.5)]
     with pytest.raises(ConfigError, match=r"sampling\.num_samples: saved 2, now 4; train\.learning_rate: saved "
@@ -159,3 +170,6 @@ def test_settings_build_the_objects_the_spec_configures():
     assert (loss.clip_ratio_low, loss.clip_ratio_high, loss.loss_agg_mode) == (0.2, 0.28, "token-mean")
     params = settings.sampling_params(spec.sampling, (1, 4), seed=7)
     assert (params.num_samples, params.max_new_tokens, params.seed, params.stop_token_ids) == (2, 32, 7, (1, 4))
+    # A request draws samples_per_request samples when set (the group of num_samples is chosen from them).
+    wide = config_spec("tiny", **{"sampling.samples_per_request": 5}).sampling
+    assert (settings.sampling_params(wide, (1,), seed=7).num_samples, wide.num_samples, wide.per_request) == (5, 2, 5)

@@ -3,6 +3,7 @@
 
 Writes `adapter_model.safetensors` and `adapter_config.json`. Every adapter is exported exactly
 (no approximation); anything this module does not recognise raises a ValueError naming the adapter.
+Every exported entry carries its exact inverse, with which `checkpoint/peft_load.py` reads an adapter back.
 
 PEFT layouts (HF linear weights are [out, in]; PEFT's delta of a weight is `scaling * B @ A`, with
 scaling = lora_alpha / r):
@@ -53,6 +54,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -73,13 +75,19 @@ _EXPERTS = {"w_gate_lora": "gate", "w_up_lora": "up", "w_down_lora": "down"}
 GATE_UP_PATTERN = r"mlp\.experts\.gate_up_proj"
 
 
+# PEFT's (lora_A, lora_B) of one entry -> [(path of our LoRA variable, layer in its stack (None: not stacked),
+# that layer's array)]: the exact inverse of the entry's export, used by `peft_load`.
+Unpack = Callable[[np.ndarray, np.ndarray], list[tuple[tuple, "int | None", np.ndarray]]]
+
+
 @dataclasses.dataclass
 class _Entry:
-    """One PEFT adapter: HF module name and its lora_A / lora_B tensors (lazily computed)."""
+    """One PEFT adapter: HF module name, its lora_A / lora_B tensors (lazily computed) and their inverse."""
 
     module: str  # e.g. "model.layers.3.self_attn.q_a_proj" or "model.layers.3.mlp.experts"
     lora_a: LazyTensor
     lora_b: LazyTensor
+    unpack: Unpack
 
 
 def _where(path) -> str:
@@ -146,6 +154,52 @@ def _gate_up_b(b_gate: np.ndarray, b_up: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------------
+# The inverses: PEFT's lora_A / lora_B -> our arrays (one layer). Each undoes its twin above exactly.
+
+
+def _linear_a_inv(a: np.ndarray, in_shape: tuple[int, ...]) -> np.ndarray:  # [r, prod(in)] -> [*in, r]
+    return a.T.reshape(tuple(in_shape) + (a.shape[0],))
+
+
+def _linear_b_inv(b: np.ndarray, out_shape: tuple[int, ...]) -> np.ndarray:  # [prod(out), r] -> [r, *out]
+    return b.T.reshape((b.shape[1],) + tuple(out_shape))
+
+
+def _kv_b_b_inv(b: np.ndarray, heads: int, nope: int) -> tuple[np.ndarray, np.ndarray]:
+    """[H*(N+V), r] -> ([r,H,N], [r,H,V])."""
+    both = b.T.reshape(b.shape[1], heads, -1)
+    return both[..., :nope], both[..., nope:]
+
+
+def _experts_a_inv(a: np.ndarray, e: int) -> np.ndarray:
+    """[E*r, in] -> [E, in, r]."""
+    return a.reshape(e, a.shape[0] // e, a.shape[1]).transpose(0, 2, 1)
+
+
+def _experts_b_inv(b: np.ndarray, e: int) -> np.ndarray:
+    """[out, r*E] -> [E, r, out]."""
+    return b.reshape(b.shape[0], b.shape[1] // e, e).transpose(2, 1, 0)
+
+
+def _gate_up_inv(a: np.ndarray, b: np.ndarray, e: int, module: str) -> tuple[np.ndarray, ...]:
+    """[E*2r, D], [2I, 2r*E] -> (A_gate, A_up [E,D,r], B_gate, B_up [E,r,I]). The off-diagonal blocks of
+    each expert's B must be zero: our separate gate and up adapters cannot represent anything else."""
+    a_both, b_both = _experts_a_inv(a, e), _experts_b_inv(b, e)  # [E, D, 2r], [E, 2r, 2I]
+    r, i = a_both.shape[-1] // 2, b_both.shape[-1] // 2
+    if np.any(b_both[:, :r, i:]) or np.any(b_both[:, r:, :i]):
+        raise ValueError(f"{module}.lora_B.weight couples the gate and up projections (nonzero off-diagonal "
+                         "blocks); separate gate/up adapters cannot represent it")
+    return a_both[..., :r], a_both[..., r:], b_both[:, :r, :i], b_both[:, r:, i:]
+
+
+def _linear_unpack(path: tuple, a_shape, b_shape, rep: int | None) -> Unpack:
+    """Inverse of `_linear_a` / `_linear_b` for adapter `path` (A [*lead, *in, r], B [*lead, r, *out])."""
+    lead = 0 if rep is None else 1
+    return lambda a, b: [(path + ("a",), rep, _linear_a_inv(a, a_shape[lead:-1])),
+                         (path + ("b",), rep, _linear_b_inv(b, b_shape[lead + 1:]))]
+
+
+# ------------------------------------------------------------------------------------------------
 # Walking the model.
 
 
@@ -209,8 +263,8 @@ def _collect(model) -> tuple[list[_Entry], set[str], set[str], bool]:
     experts: dict[tuple[int, int], dict[str, tuple]] = {}  # (stack, slot) -> {gate/up/down: (path, node)}
     covered = 0
 
-    def add(module, a_shape, b_shape, dtype, fa, fb):
-        entries.append(_Entry(module, LazyTensor(a_shape, dtype, fa), LazyTensor(b_shape, dtype, fb)))
+    def add(module, a_shape, b_shape, dtype, fa, fb, unpack):
+        entries.append(_Entry(module, LazyTensor(a_shape, dtype, fa), LazyTensor(b_shape, dtype, fb), unpack))
 
     for path, node in found:
         where = _where(path)
@@ -222,7 +276,8 @@ def _collect(model) -> tuple[list[_Entry], set[str], set[str], bool]:
             _check_ndim(path, node, 2, 2)  # [D, r], [r, vocab]
             a, b = node.a.get_value(), node.b.get_value()
             add("lm_head", (lora.rank, a.shape[0]), (b.shape[-1], lora.rank), a.dtype,
-                lambda a=a: _linear_a(_host(a)), lambda b=b: _linear_b(_host(b)))
+                lambda a=a: _linear_a(_host(a)), lambda b=b: _linear_b(_host(b)),
+                _linear_unpack(path, a.shape, b.shape, None))
             modules.add("lm_head")
             continue
         if len(path) < 6 or path[0] != "stacks" or path[2] != "layers":
@@ -248,7 +303,10 @@ def _collect(model) -> tuple[list[_Entry], set[str], set[str], bool]:
                     add(f"model.layers.{layer}.self_attn.kv_b_proj", (lora.rank, a.shape[-2]),
                         (h * (n + v), lora.rank), a.dtype,
                         lambda a=a, rep=rep: _linear_a(_at(a, rep)),
-                        lambda b_k=b_k, b_v=b_v, rep=rep: _kv_b_b(_at(b_k, rep), _at(b_v, rep)))
+                        lambda b_k=b_k, b_v=b_v, rep=rep: _kv_b_b(_at(b_k, rep), _at(b_v, rep)),
+                        lambda pa, pb, rep=rep, path=path, c=a.shape[1:-1], h=h, n=n: [
+                            (path + ("a",), rep, _linear_a_inv(pa, c)),
+                            *zip((path + ("b_k",), path + ("b_v",)), (rep, rep), _kv_b_b_inv(pb, h, n))])
             else:
                 if not isinstance(node, Adapter) or node.target != name:
                     raise ValueError(f"save_peft_adapter: adapter {where} does not look like the {name} adapter")
@@ -258,7 +316,8 @@ def _collect(model) -> tuple[list[_Entry], set[str], set[str], bool]:
                 n_out = int(np.prod(b.shape[2:]))
                 for rep, layer in layers:
                     add(f"model.layers.{layer}.self_attn.{name}", (lora.rank, n_in), (n_out, lora.rank), a.dtype,
-                        lambda a=a, rep=rep: _linear_a(_at(a, rep)), lambda b=b, rep=rep: _linear_b(_at(b, rep)))
+                        lambda a=a, rep=rep: _linear_a(_at(a, rep)), lambda b=b, rep=rep: _linear_b(_at(b, rep)),
+                        _linear_unpack(path, a.shape, b.shape, rep))
             modules.add(name)
             continue
 
@@ -277,7 +336,7 @@ def _collect(model) -> tuple[list[_Entry], set[str], set[str], bool]:
             for rep, layer in layers:
                 add(f"model.layers.{layer}.{hf}.{name}", (lora.rank, a.shape[-2]), (b.shape[-1], lora.rank),
                     a.dtype, lambda a=a, rep=rep: _linear_a(_at(a, rep)),
-                    lambda b=b, rep=rep: _linear_b(_at(b, rep)))
+                    lambda b=b, rep=rep: _linear_b(_at(b, rep)), _linear_unpack(path, a.shape, b.shape, rep))
             params.add(f"{hf}.{name}.weight")
             continue
 
@@ -299,21 +358,27 @@ def _collect(model) -> tuple[list[_Entry], set[str], set[str], bool]:
             raise ValueError(f"save_peft_adapter: routed-expert adapters {names} come without their "
                              f"{sorted({'gate', 'up', 'down'} - set(parts))} partner(s); HF fuses gate and up "
                              "into one gate_up_proj, so this export needs all three")
-        (_, g), (_, u), (_, d) = parts["gate"], parts["up"], parts["down"]
+        (g_path, g), (u_path, u), (d_path, d) = parts["gate"], parts["up"], parts["down"]
         a_g, b_g, a_u, b_u = g.a.get_value(), g.b.get_value(), u.a.get_value(), u.b.get_value()
         a_d, b_d = d.a.get_value(), d.b.get_value()
         _, e, dim, r = a_g.shape
         i = b_g.shape[-1]
+        gate_up_vars = (g_path + ("a",), u_path + ("a",), g_path + ("b",), u_path + ("b",))
         for rep in range(repeats[stack]):
             layer = layer_of[(stack, rep, slot)]
             # gate_up_proj (the inner ParamWrapper: registered first on GlmMoeDsaExperts, so wrapped first)
-            add(f"model.layers.{layer}.mlp.experts.base_layer", (e * 2 * r, dim), (2 * i, 2 * r * e), a_g.dtype,
+            module = f"model.layers.{layer}.mlp.experts.base_layer"
+            add(module, (e * 2 * r, dim), (2 * i, 2 * r * e), a_g.dtype,
                 lambda a_g=a_g, a_u=a_u, rep=rep: _gate_up_a(_at(a_g, rep), _at(a_u, rep)),
-                lambda b_g=b_g, b_u=b_u, rep=rep: _gate_up_b(_at(b_g, rep), _at(b_u, rep)))
+                lambda b_g=b_g, b_u=b_u, rep=rep: _gate_up_b(_at(b_g, rep), _at(b_u, rep)),
+                lambda pa, pb, rep=rep, module=module, names=gate_up_vars, e=e: list(zip(
+                    names, (rep,) * 4, _gate_up_inv(pa, pb, e, module))))
             # down_proj (the outer ParamWrapper)
             add(f"model.layers.{layer}.mlp.experts", (e * r, a_d.shape[-2]), (b_d.shape[-1], r * e), a_d.dtype,
                 lambda a_d=a_d, rep=rep: _experts_a(_at(a_d, rep)),
-                lambda b_d=b_d, rep=rep: _experts_b(_at(b_d, rep)))
+                lambda b_d=b_d, rep=rep: _experts_b(_at(b_d, rep)),
+                lambda pa, pb, rep=rep, d_path=d_path, e=e: [(d_path + ("a",), rep, _experts_a_inv(pa, e)),
+                                                             (d_path + ("b",), rep, _experts_b_inv(pb, e))])
         params.update({"mlp.experts.gate_up_proj", "mlp.experts.down_proj"})
 
     if covered != n_vars:

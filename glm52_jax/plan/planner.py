@@ -41,7 +41,8 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
          gradient_mode: str, lora, dtype, chunk_size: int, hbm_bytes: float = 96e9,
          programs: Iterable[str] = ("prefill", "decode", "train"), options=None, logprob_chunk: int = 1024,
          capacity_multiple: int = 256, donate_cache: bool = False, adamw=None, fast_compile: bool = True,
-         prefill_mode: str = "chunked", log: Callable[[str], None] | None = None) -> dict[str, Any]:
+         prefill_mode: str = "chunked", samples_per_request: int = 0,
+         log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Lowers and compiles the run's programs on `mesh_spec` with abstract weights and inputs.
 
     model_cfg: `ModelConfig` (apply rope scaling beforehand, e.g. `with_env_rope_scaling()`).
@@ -49,6 +50,7 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
       ones are used; see `ensure_virtual_devices`).
     prompt_tokens P, max_new_tokens R, num_samples G, chunk_size (the sampler's prefill chunk),
       prefill_mode (the sampler's: "chunked" or "whole", which program "prefill" compiles),
+      samples_per_request S (rows the decode program samples; 0 = G, `sampling.samples_per_request`),
       gradient_mode (`rl.gradients.MODES`), lora (`LoRAConfig`; required for "train"), dtype
       (parameter/activation dtype).
     options: `ModelOptions` overrides (block sizes, remat); its param_dtype / lora are replaced by
@@ -75,7 +77,8 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
         capacity = slot_capacity(prompt_tokens + max_new_tokens, capacity_multiple, ways(mesh, "seq"))
         graphdef, state = abstract_model(model_cfg, opts, mesh)
         setup = PlanSetup(model_cfg, opts, mesh, graphdef, state, prompt_tokens, max_new_tokens, num_samples,
-                          chunk_size, prefill_mode, capacity, gradient_mode, logprob_chunk, donate_cache)
+                          chunk_size, prefill_mode, capacity, gradient_mode, logprob_chunk, donate_cache,
+                          samples_per_request)
         report = static_report(setup, mesh_spec, lora, dtype)
         report["issues"] = []
         report["notes"] = list(NOTES)

@@ -45,6 +45,12 @@ class PlanSetup:
     gradient_mode: str
     logprob_chunk: int
     donate_cache: bool
+    samples_per_request: int = 0  # S rows the sampler decodes per request; 0 = G (`sampling.samples_per_request`)
+
+    @property
+    def decode_rows(self) -> int:
+        """Rows of the decode program and its cache: every sample of a request (S), not only the group (G)."""
+        return self.samples_per_request or self.num_samples
 
     def cache(self, batch: int):
         """The abstract `batch`-row cache of C slots."""
@@ -99,21 +105,22 @@ def forward_program(s: PlanSetup) -> Program:
 
 
 def decode_program(s: PlanSetup) -> Program:
-    """`decode_steps` exactly (temperature 1, no top-k / top-p): a scan of R steps for G rows
-    against the G-row cache. A one-step program would not do: its cache update is dead code (only
-    tokens and log-probs leave the scan) and XLA deletes the forward."""
+    """`decode_steps` exactly (temperature 1, no top-k / top-p): a scan of R steps for the S rows of a
+    request (`decode_rows`; S = G unless `sampling.samples_per_request` says more) against the S-row
+    cache. A one-step program would not do: its cache update is dead code (only tokens and log-probs
+    leave the scan) and XLA deletes the forward."""
     graphdef, stop_ids, steps = s.graphdef, tuple(int(t) for t in s.cfg.eos_token_id), s.max_new_tokens
 
     def decode(state, cache, h_last, keys):
         return sampler.decode_steps(nnx.merge(graphdef, state), cache, h_last, keys, None, steps=steps,
                                     temperature=1.0, top_k=0, top_p=1.0, stop_ids=stop_ids)
 
-    g = s.num_samples
+    g = s.decode_rows
     h_last = sds_even((g, s.cfg.hidden_size), s.opts.param_dtype, s.mesh, ("batch", "embed"))
     key_shape = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), g))
     keys = sds(key_shape.shape, key_shape.dtype, s.mesh, None)
     kw = dict(compiler_options=sampler.CACHE_COMPILER_OPTIONS, donate_argnums=(1,) if s.donate_cache else ())
-    what = (f"sampler.decode_steps: scan of max_new_tokens={steps} steps for G={g} rows against the G-row cache "
+    what = (f"sampler.decode_steps: scan of max_new_tokens={steps} steps for S={g} rows against the S-row cache "
             f"(capacity {s.capacity}); one step = the loop body (per-body columns), executed = x {steps}")
     return Program(decode, (s.state, s.cache(g), h_last, keys), kw, what, 1)
 

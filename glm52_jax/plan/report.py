@@ -77,12 +77,13 @@ def format_plan(report: dict[str, Any]) -> str:
     lines = [
         f"mesh {mesh['describe']} on {mesh['devices']} {mesh['platform']} devices "
         f"(seq x{mesh['seq_shards']}, experts x{mesh['expert_shards']})",
-        f"P={sh['prompt_tokens']} R={sh['max_new_tokens']} G={sh['num_samples']} chunk={sh['chunk_size']} "
+        f"P={sh['prompt_tokens']} R={sh['max_new_tokens']} G={sh['num_samples']} "
+        f"S={sh.get('samples_per_request', sh['num_samples'])} chunk={sh['chunk_size']} "
         f"prefill={sh.get('prefill_mode', 'chunked')} "
         f"capacity={sh['planned_capacity']} mode={sh['gradient_mode']} dtype={sh['dtype']}",
         f"params {m['param_count']:,} ({m['param_bytes'] / bs:.3f} {bu}, {m['param_bytes_per_device'] / bs:.3f} "
         f"{bu}/device); LoRA {m['lora_count']:,} ({m['lora_bytes_per_device'] / bs:.3f} {bu}/device); cache "
-        f"batch 1 {report['cache']['batch1_bytes_per_device'] / bs:.3f} {bu}/device, G rows "
+        f"batch 1 {report['cache']['batch1_bytes_per_device'] / bs:.3f} {bu}/device, S rows "
         f"{report['cache']['decode_bytes_per_device'] / bs:.3f} {bu}/device",
     ]
     ix = report.get("indexer_analytic")

@@ -21,12 +21,12 @@ def indexer_analytic(s: PlanSetup) -> dict[str, Any]:
     split divides them by the sequence shards."""
     cfg = s.cfg
     per_pair = 2 * cfg.index_n_heads * cfg.index_head_dim * sum(t == "full" for t in cfg.indexer_types)
-    p, c, g, r = s.prompt_tokens, s.chunk_size, s.num_samples, s.max_new_tokens
+    p, c, rows, r = s.prompt_tokens, s.chunk_size, s.decode_rows, s.max_new_tokens
     return {
         "flops_per_query_key_pair": per_pair,
         "prefill_total_flops": per_pair * p * (p + 1) / 2,
         "prefill_last_chunk_flops": per_pair * min(c, p) * p,
-        "decode_step_flops": per_pair * g * (p + r),
+        "decode_step_flops": per_pair * rows * (p + r),
         "train_flops_per_sample": per_pair * r * (p + r),
         "seq_shards": ways(s.mesh, "seq"),
     }
@@ -35,14 +35,15 @@ def indexer_analytic(s: PlanSetup) -> dict[str, Any]:
 def static_report(s: PlanSetup, mesh_spec, lora, dtype) -> dict[str, Any]:
     """{"mesh", "shapes", "model", "indexer_analytic", "cache"} of a plan report."""
     _, lora_state, base = nnx.split(nnx.merge(s.graphdef, s.state), LoRA, ...)
-    cache1, cache_g = s.cache(1), s.cache(s.num_samples)
+    cache1, cache_g = s.cache(1), s.cache(s.decode_rows)
     return {
         "mesh": {"describe": mesh_spec.describe(), "axes": dict(zip(mesh_spec.axis_names, mesh_spec.shape)),
                  "devices": mesh_spec.size, "platform": jax.default_backend(),
                  "rules": [list(r) for r in mesh_spec.rules()],
                  "seq_shards": ways(s.mesh, "seq"), "expert_shards": ways(s.mesh, "experts")},
         "shapes": {"prompt_tokens": s.prompt_tokens, "max_new_tokens": s.max_new_tokens,
-                   "num_samples": s.num_samples, "chunk_size": s.chunk_size, "prefill_mode": s.prefill_mode,
+                   "num_samples": s.num_samples, "samples_per_request": s.decode_rows,
+                   "chunk_size": s.chunk_size, "prefill_mode": s.prefill_mode,
                    "planned_capacity": s.capacity, "gradient_mode": s.gradient_mode, "dtype": str(dtype),
                    "logprob_chunk": s.logprob_chunk, "donate_cache": s.donate_cache,
                    "lora": None if lora is None else {"rank": lora.rank, "alpha": lora.alpha,

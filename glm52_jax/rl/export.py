@@ -46,7 +46,7 @@ def export_run(spec: RunSpec, workdir: str | os.PathLike, *, export_dir: str | o
     if step not in steps:
         raise ConfigError(f"export: --export_step={step} is not among the committed steps {steps}")
     ckpts.check_meta(step, {"config_sha256": spec.resume_sha256(), "base": spec.model.base_name})
-    model, optimizer = build_policy(spec, inputs)
+    model, optimizer = build_policy(spec, inputs, init_adapter=False)  # the checkpoint's adapters replace them
     ckpts.restore(step, model, optimizer)
     ckpts.close()
 

@@ -2,7 +2,8 @@
 
 `resolve(spec)` does every check that needs files but no model (the checkpoint's config.json, the
 YaRN payload, the position capacity, the data rows, each first-transaction candidate's exact-N
-prompt), so a run that cannot work fails in seconds with a `ConfigError` naming the setting.
+prompt, `model.init_adapter`'s config and tensor shapes), so a run that cannot work fails in seconds
+with a `ConfigError` naming the setting.
 """
 
 from __future__ import annotations
@@ -131,6 +132,29 @@ def exact_prompt(tokenizer, row, n_tokens: int, *, flag: str | None = None) -> l
         raise ConfigError(f"{flag or f'--config.data.prompt_tokens={n_tokens}'}: row {row.index}: {e}") from None
 
 
+def init_adapter_record(spec: RunSpec, model_cfg) -> dict[str, str] | None:
+    """`model.init_adapter` checked against the run's LoRA on the abstract model (rank, alpha, families, every
+    tensor name and shape; no weights read): {"path", "sha256" of adapter_model.safetensors}, None when unset."""
+    if not spec.model.init_adapter:
+        return None
+    from flax import nnx
+
+    from glm52_jax.checkpoint.peft import ADAPTER_WEIGHTS
+    from glm52_jax.checkpoint.peft_load import AdapterMismatchError, check_peft_adapter
+    from glm52_jax.evidence.hashing import sha256_file
+    from glm52_jax.model.transformer import GlmMoeDsa
+    from glm52_jax.rl import settings
+
+    opts = dataclasses.replace(settings.model_options(spec.model), lora=settings.lora_config(spec.model))
+    abstract = nnx.eval_shape(lambda: GlmMoeDsa(model_cfg, opts, rngs=nnx.Rngs(0)))
+    try:
+        check_peft_adapter(abstract, spec.model.init_adapter)
+    except AdapterMismatchError as e:
+        raise ConfigError(f"--config.model.init_adapter={spec.model.init_adapter}: {e}") from None
+    path = Path(spec.model.init_adapter).resolve()
+    return {"path": str(path), "sha256": sha256_file(path / ADAPTER_WEIGHTS)}
+
+
 @dataclasses.dataclass
 class RunInputs:
     """What `resolve` found: the model's architecture and the candidate prompts."""
@@ -141,6 +165,7 @@ class RunInputs:
     tokenizer: Any  # rollout.tokenizer.Tokenizer
     rows: list  # every DapoRow; transaction k reads on from its data cursor
     first_prompts: list[list[int]]  # exact-N ids of the first transaction's candidates (checked)
+    init_adapter: dict[str, str] | None = None  # `model.init_adapter`'s path and weights sha256 (checked)
 
     @property
     def chat_template(self) -> dict[str, str] | None:
@@ -178,4 +203,4 @@ def resolve(spec: RunSpec, *, data: bool = True) -> RunInputs:
     if max(max(p) for p in prompts) >= model_cfg.vocab_size:
         raise ConfigError(f"the tokenizer's ids exceed the model's vocab_size {model_cfg.vocab_size} "
                           f"(--config.model.tokenizer={spec.model.tokenizer})")
-    return RunInputs(spec, model_cfg, scaling, tok, rows, prompts)
+    return RunInputs(spec, model_cfg, scaling, tok, rows, prompts, init_adapter_record(spec, model_cfg))

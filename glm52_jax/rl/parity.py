@@ -111,7 +111,7 @@ def _parity(inputs, workdir: Path, log) -> dict[str, Any]:
         "parity": {"reference": reference, "modes": list(modes), "optimizer_steps": 0, "comparison": comparison},
         "fixture": {"row": accepted.row.index, "candidate": accepted.index, "rewards": accepted.rewards,
                     "prompt_tokens": len(prompt), "response_tokens": int(mask.sum()),
-                    "num_samples": spec.sampling.num_samples},
+                    "num_samples": spec.sampling.num_samples, "group_samples": accepted.samples},
         "config": {"name": spec.name, "sha256": spec.config_sha256()},
         "model": {"checkpoint": spec.model.base_name, "dtype": spec.model.dtype},
     })

@@ -116,7 +116,7 @@ def _run(inputs: RunInputs, workdir: Path, mesh_spec, mesh, log) -> dict[str, An
         if mesh is not None:
             stack.enter_context(axis_rules(mesh_spec.rules()))
         # Built before the mesh is set: nnx would read the params' logical names as mesh axes.
-        model, optimizer = build_policy(spec, inputs, mesh)
+        model, optimizer = build_policy(spec, inputs, mesh, init_adapter=not latest)  # a resume restores
         if mesh is not None:  # every program below is traced and run on the mesh
             stack.enter_context(jax.set_mesh(mesh))
             log(f"mesh {mesh_spec.describe()} over {mesh_spec.size} {jax.devices()[0].platform} devices")

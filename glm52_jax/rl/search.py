@@ -1,4 +1,5 @@
-"""Bounded candidate search: G samples per exact-N prompt, DAPO rewards, stop at the first mixed group."""
+"""Bounded candidate search: S samples per exact-N prompt, DAPO rewards, stop at the first request whose
+rewards differ; its group of G samples (`rl.group.choose_group`; S = G by default) is what the update trains on."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from glm52_jax.rl.group import choose_group
 from glm52_jax.rl.inputs import RunInputs, exact_prompt
 from glm52_jax.rl.samples import REQUEST_CANDIDATE, REQUEST_PROBE, request_records
 from glm52_jax.rl.settings import sampling_params
@@ -15,13 +17,22 @@ from glm52_jax.rl.settings import sampling_params
 
 @dataclasses.dataclass
 class Accepted:
-    """The first candidate whose G rewards differ: what the update trains on."""
+    """The first candidate whose rewards differ, reduced to its group: what the update trains on."""
 
     index: int  # candidate number within the search
     row: Any  # DapoRow
     prompt: list[int]  # [P] exact-N prompt ids
-    result: Any  # rollout.sampler.SampleResult: tokens [G,R], lengths [G], logprobs [G,R], ...
+    result: Any  # rollout.sampler.SampleResult of the group: tokens [G,R], lengths [G], logprobs [G,R], ...
     rewards: list[float]  # [G]
+    samples: list[int]  # [G] the group's indices among the request's S samples (`rl.group.choose_group`)
+
+
+def group_result(result, samples: list[int]):
+    """The `SampleResult` of samples `samples` of a request (rows in that order)."""
+    rows = np.asarray(samples)
+    return dataclasses.replace(result, tokens=result.tokens[rows], logprobs=result.logprobs[rows],
+                               lengths=result.lengths[rows],
+                               finish_reasons=[result.finish_reasons[j] for j in samples])
 
 
 def candidate_seeds(step_key, count: int) -> list[int]:
@@ -38,14 +49,14 @@ def probe_seed(step_key) -> int:
     return candidate_seeds(jax.random.fold_in(step_key, 1), 1)[0]
 
 
-def _texts(inputs: RunInputs, res, g: int) -> list[str]:
+def _texts(inputs: RunInputs, res) -> list[str]:
     # Special tokens (the stop token) are not part of the answer text the reward parses.
-    return [inputs.tokenizer.decode(res.completion(j), skip_special_tokens=True) for j in range(g)]
+    return [inputs.tokenizer.decode(res.completion(j), skip_special_tokens=True) for j in range(len(res.lengths))]
 
 
 def engine_probe(inputs: RunInputs, cursor: int, seed: int, sampler, n_tokens: int) -> tuple[dict, dict, list[dict]]:
     """One short request before the long ones (`search.probe_tokens`): the exact-`n_tokens` prompt of the
-    row at `cursor`, G samples with the run's sampling settings.
+    row at `cursor`, S samples (`sampling.per_request`) with the run's sampling settings.
 
     Returns (the receipt's "probe" section with its own decode audit, its timing (nondeterministic), its
     sampler records). The probe's prompt KV is dropped from the prefix cache afterwards, so the candidates
@@ -59,7 +70,7 @@ def engine_probe(inputs: RunInputs, cursor: int, seed: int, sampler, n_tokens: i
     stop_ids = tuple(int(i) for i in sampler.cfg.eos_token_id)
     res = sampler.sample(prompt, sampling_params(spec.sampling, stop_ids, seed))
     sampler.prefix_cache.clear()
-    texts = _texts(inputs, res, spec.sampling.num_samples)
+    texts = _texts(inputs, res)
     records = request_records(REQUEST_PROBE, None, row.index, prompt, seed, res, texts)
     section = {"prompt_tokens": len(prompt), "row": row.index, "seed": seed,
                "prompt_sha256": records[0]["prompt_sha256"], "tokens": [r["tokens"] for r in records],
@@ -72,11 +83,11 @@ def engine_probe(inputs: RunInputs, cursor: int, seed: int, sampler, n_tokens: i
 def search_group(inputs: RunInputs, cursor: int, seeds: list[int], sampler, *, step: int,
                  event: Callable[..., None], log: Callable[[str], None],
                  samples: list[dict] | None = None) -> tuple[list[dict], Accepted | None]:
-    """Samples candidates (rows from data position `cursor`) until a group's rewards differ.
+    """Samples candidates (rows from data position `cursor`), S samples each, until a request's rewards differ.
 
-    Returns (one record per candidate tried, the accepted group or None); appends every sample's raw
-    record (`rl.samples`) to `samples` when given. Timings go to `event` only: the receipt's other
-    sections must reproduce bit for bit.
+    Returns (one record per candidate tried (every sample's reward), the accepted group or None); appends every
+    sample's raw record (`rl.samples`) to `samples` when given. Timings go to `event` only: the receipt's
+    other sections must reproduce bit for bit.
     """
     from glm52_jax.rl.rewards.dapo import compute_score
 
@@ -87,7 +98,7 @@ def search_group(inputs: RunInputs, cursor: int, seeds: list[int], sampler, *, s
     for i in range(spec.search.max_candidates):
         row, prompt = inputs.candidate(cursor, i)
         res = sampler.sample(prompt, sampling_params(spec.sampling, stop_ids, seeds[i]))
-        texts = _texts(inputs, res, g)
+        texts = _texts(inputs, res)
         if samples is not None:
             samples += request_records(REQUEST_CANDIDATE, i, row.index, prompt, seeds[i], res, texts)
         scores = [compute_score(text, row.ground_truth) for text in texts]
@@ -100,8 +111,9 @@ def search_group(inputs: RunInputs, cursor: int, seeds: list[int], sampler, *, s
               prefix_hit_tokens=res.prefix_hit_tokens, prefill_seconds=round(res.prefill_seconds, 3),
               decode_seconds=round(res.decode_seconds, 3))
         log(f"step {step} candidate {i}: row {row.index} rewards {rewards} (prefix hit {res.prefix_hit_tokens} tokens)")
-        if len(set(rewards)) > 1:
-            return candidates, Accepted(i, row, prompt, res, rewards)
+        group = choose_group(rewards, g)
+        if group is not None:
+            return candidates, Accepted(i, row, prompt, group_result(res, group), [rewards[j] for j in group], group)
     return candidates, None
 
 

@@ -40,12 +40,12 @@ def adamw(train: TrainSpec):
 
 
 def sampling_params(sampling: SamplingSpec, stop_token_ids: Sequence[int], seed: int):
-    """The sampler's `SamplingParams` for one request."""
+    """The sampler's `SamplingParams` for one request: `sampling.per_request` samples."""
     from glm52_jax.rollout.sampler import SamplingParams
 
     return SamplingParams(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                           top_p=sampling.top_p, top_k=sampling.top_k, stop_token_ids=tuple(stop_token_ids),
-                          num_samples=sampling.num_samples, seed=seed)
+                          num_samples=sampling.per_request, seed=seed)
 
 
 def sampler(sampling: SamplingSpec, model, progress: Callable | None = None):

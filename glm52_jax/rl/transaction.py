@@ -1,10 +1,10 @@
 """One online GRPO transaction (DESIGN §1): search, sample, reward, one update, evidence.
 
     parameter inventory -> optional engine probe (one short exact-N request, `search.probe_tokens`)
-    -> bounded candidate search (exact-N prompt, G samples, DAPO reward; accept the first group whose
-    rewards differ) -> inventory unchanged by sampling -> G backwards in the configured gradient mode,
-    exactly one AdamW step -> artifacts (raw sampler records in `samples.jsonl`) + receipt (with a
-    decode audit of every candidate sample), committed last.
+    -> bounded candidate search (exact-N prompt, S samples, DAPO reward; accept the first request whose
+    rewards differ, its group of G chosen by `rl.group`) -> inventory unchanged by sampling -> G backwards
+    in the configured gradient mode, exactly one AdamW step -> artifacts (raw sampler records of every
+    sample in `samples.jsonl`) + receipt (with a decode audit of every candidate sample), committed last.
 
 `run_transaction` composes three parts: `update` (the gradient step and new log-probs),
 `write_artifacts` (arrays, JSON records, traces) and `receipt_fields` (the receipt's sections).
@@ -68,6 +68,7 @@ def update(inputs: RunInputs, model, optimizer, sampler, accepted: Accepted) -> 
     training = {"status": "updated", "optimizer_steps": optimizer.step - steps_before, "mode": mode, "loss": loss,
                 "grad_norm": float(upd.grad_norm), "metrics": {k: float(v) for k, v in upd.metrics.items()},
                 "grads_sha256": sha256_bytes(state_bytes(upd.grads)), "advantages": advantages.tolist(),
+                "group_samples": accepted.samples,
                 "new_logprobs": "updated adapters on the responses, prompt KV of the sampling policy"}
     numerics = {"finite": bool(np.isfinite(loss) and np.isfinite(new_logprobs).all())}
     arrays = {"new_logprobs.npy": new_logprobs, "responses.npy": responses, "response_mask.npy": mask}
@@ -83,6 +84,7 @@ def write_artifacts(writer, spec, *, arrays: dict, seeds: list[int], stop_ids, c
     s = spec.sampling
     writer.add_json("sampling_params.json", {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
                                              "max_new_tokens": s.max_new_tokens, "num_samples": s.num_samples,
+                                             "samples_per_request": s.per_request,
                                              "stop_token_ids": list(stop_ids), "seeds": seeds[:len(candidates)]},
                     kind="sampling")
     writer.add_json("rewards.json", candidates, kind="rewards")
@@ -112,13 +114,16 @@ def receipt_fields(inputs: RunInputs, cfg, *, step: int, cursor: int, candidates
                    "chat_template": inputs.chat_template},
         "model": {"checkpoint": m.base_name, "dtype": m.dtype, "layers": cfg.num_hidden_layers,
                   "full_indexer_layers": cfg.indexer_types.count("full"),
-                  "lora": {"rank": m.lora_rank, "alpha": m.lora_alpha, "families": sorted(m.lora_families)}},
+                  "lora": {"rank": m.lora_rank, "alpha": m.lora_alpha, "families": sorted(m.lora_families)},
+                  "init_adapter": inputs.init_adapter},
         "positions": {"rope_type": cfg.rope.rope_type, "max_position_embeddings": cfg.max_position_embeddings},
         "topology": {"platform": devices[0].platform, "devices": len(devices), "processes": jax.process_count(),
                      "mesh": mesh.describe(), "mesh_devices": mesh.size},
         "config": {"name": spec.name, "sha256": spec.config_sha256(), "resume_sha256": spec.resume_sha256()},
         "candidate_search": {"max_candidates": spec.search.max_candidates, "tried": len(candidates),
-                             "accepted": None if accepted is None else accepted.index},
+                             "samples_per_request": spec.sampling.per_request,
+                             "accepted": None if accepted is None else accepted.index,
+                             "group_samples": None if accepted is None else accepted.samples},
         "completions": [{"candidate": cd["candidate"], "texts": cd["texts"], "lengths": cd["lengths"],
                          "finish_reasons": cd["finish_reasons"]} for cd in candidates],
         "rewards": [cd["rewards"] for cd in candidates],

@@ -57,7 +57,8 @@ def _plan(mesh, programs, chunk_size=32, **kw):
 
 @pytest.fixture(scope="module")
 def folded():
-    return _plan(FOLDED, ("prefill", "decode", "train", "new_logprobs", "inventory"))
+    # 4 samples per request (G = 2 of them train): decode runs 4 rows, train and new_logprobs G.
+    return _plan(FOLDED, ("prefill", "decode", "train", "new_logprobs", "inventory"), samples_per_request=4)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,8 @@ def test_folded_memory_matches_the_abstract_state(folded):
     # Slots shard 8 ways (batch 1, capacity 256): each device holds exactly 1/8 of the cache.
     assert folded["shapes"]["planned_capacity"] == 256 and not folded["issues"]
     assert cache["batch1_bytes_per_device"] * 8 == cache["batch1_bytes"] > 0
-    assert cache["decode_bytes_per_device"] * 8 == cache["decode_bytes"] == 2 * cache["batch1_bytes"]
+    assert (folded["shapes"]["num_samples"], folded["shapes"]["samples_per_request"]) == (2, 4)
+    assert cache["decode_bytes_per_device"] * 8 == cache["decode_bytes"] == 4 * cache["batch1_bytes"]  # S rows
     # Experts shard 8 ways, the rest is replicated: per device is between 1/8 and all of it.
     assert model["param_bytes"] / 8 < model["param_bytes_per_device"] < model["param_bytes"]
     weights = model["param_bytes_per_device"] + model["lora_bytes_per_device"]
@@ -136,7 +138,7 @@ def test_report_is_json_and_formats(folded):
     again = json.loads(json.dumps(folded))
     assert again["programs"].keys() == {"prefill", "decode", "train", "new_logprobs", "inventory"}
     text = format_plan(folded)
-    for word in ("prefill", "decode", "train", "all-gather", "CP8/EP8", "fits"):
+    for word in ("prefill", "decode", "train", "all-gather", "CP8/EP8", "fits", "G=2 S=4"):
         assert word in text
 
 

@@ -460,7 +460,7 @@ def test_samples_jsonl_holds_every_sample_bound_to_the_receipt(inproc):
     workdir, _ = inproc
     spec = _spec(**{"train.steps": 2})
     inputs = resolve(spec)
-    g = spec.sampling.num_samples
+    g = spec.sampling.per_request  # = num_samples in the tiny config
     for step in (1, 2):
         path = _receipt(workdir, step)
         receipt = json.loads(path.read_text())
@@ -489,11 +489,15 @@ def test_samples_jsonl_holds_every_sample_bound_to_the_receipt(inproc):
         prompt_ids = np.load(art / "prompt_token_ids.npy")
         mine = [line for line in lines if line["candidate"] == accepted]
         assert [line["sample"] for line in mine] == list(range(g))
-        for line in mine:
-            j, n = line["sample"], line["length"]
-            np.testing.assert_array_equal(np.asarray(line["tokens"]), tokens[j, :n])
-            np.testing.assert_array_equal(np.asarray(line["logprobs"], np.float32), old[j, :n])  # exact float32
-            assert np.all(tokens[j, n:] == -1) and np.all(old[j, n:] == 0)  # nothing after the record's end
+        # The group the update trained on: with samples_per_request = 0 (= num_samples), all of the request's.
+        group = receipt["candidate_search"]["group_samples"]
+        assert group == receipt["training"]["group_samples"] == list(range(spec.sampling.num_samples))
+        assert receipt["candidate_search"]["samples_per_request"] == g and receipt["model"]["init_adapter"] is None
+        for k, j in enumerate(group):
+            line, n = mine[j], mine[j]["length"]
+            np.testing.assert_array_equal(np.asarray(line["tokens"]), tokens[k, :n])
+            np.testing.assert_array_equal(np.asarray(line["logprobs"], np.float32), old[k, :n])  # exact float32
+            assert np.all(tokens[k, n:] == -1) and np.all(old[k, n:] == 0)  # nothing after the record's end
             assert line["prompt_sha256"] == hashlib.sha256(prompt_ids.astype("<i4").tobytes()).hexdigest()
         audit = receipt["decode_audit"]
         assert audit == decode_audit.audit(lines)
@@ -593,3 +597,51 @@ def test_engine_probe_request_on_the_embedded_policy(inproc, tmp_path):
     writer.add_bytes("traces/rank0.jsonl", b"", kind="trace")
     view = deterministic_view(writer.commit(fields))
     assert "probe" in view and "probe_timing" not in view
+
+
+def test_samples_per_request_draws_more_and_trains_on_the_chosen_group(inproc):
+    """`sampling.samples_per_request=4` with G = 2 (search_group on a fresh embedded policy, step 1's cursor and
+    seeds, no update): each request draws 4 samples, all rewarded and recorded; their first 2 are step 1's
+    samples of that candidate (more samples leave the first G as they were, up to float32 rounding of the
+    log-probs); the search stops at the first
+    request whose 4 rewards differ, and the accepted group is `choose_group`'s, with those samples' tokens and
+    old log-probs."""
+    from glm52_jax.rl import settings
+    from glm52_jax.rl.group import choose_group
+    from glm52_jax.rl.policy import build_policy
+    from glm52_jax.rl.search import response_batch, search_group
+
+    art = _receipt(inproc[0], 1).parent / "artifacts"
+    step1 = [json.loads(line) for line in (art / "samples.jsonl").read_text().splitlines()]
+    seeds = json.loads((art / "sampling_params.json").read_text())["seeds"]
+    spec = _spec(**{"sampling.samples_per_request": 4, "search.max_candidates": len(seeds)})
+    inputs = resolve(spec)
+    model, _ = build_policy(spec, inputs)
+    records: list[dict] = []
+    candidates, accepted = search_group(inputs, spec.data.first_row, seeds, settings.sampler(spec.sampling, model),
+                                        step=1, event=lambda *a, **k: None, log=lambda msg: None, samples=records)
+    assert len(records) == 4 * len(candidates)
+    for cd in candidates:
+        mine = [r for r in records if r["candidate"] == cd["candidate"]]
+        assert [r["sample"] for r in mine] == [0, 1, 2, 3] and len(cd["rewards"]) == len(cd["texts"]) == 4
+        assert [r["text"] for r in mine] == cd["texts"]
+        before = [r for r in step1 if r["candidate"] == cd["candidate"]]
+        assert [{**r, "logprobs": None} for r in mine[:2]] == [{**r, "logprobs": None} for r in before]
+        # Old log-probs of a 4-row decode vs a 2-row one: XLA:CPU blocks the batch differently, so float32
+        # rounding differs (measured max 2.4e-7 on 2026-12-04; the tokens are identical). Bound ~10x that.
+        for a, b in zip(mine[:2], before):
+            np.testing.assert_allclose(a["logprobs"], b["logprobs"], rtol=0, atol=2e-6)
+    assert all(len(set(cd["rewards"])) == 1 for cd in candidates[:-1])
+    rewards = candidates[-1]["rewards"]
+    assert accepted is not None, [cd["rewards"] for cd in candidates]  # the embedded policy's rows do mix
+    assert accepted.index == candidates[-1]["candidate"] and accepted.samples == choose_group(rewards, 2)
+    assert accepted.rewards == [rewards[j] for j in accepted.samples]
+    chosen = [records[-4:][j] for j in accepted.samples]
+    for k, r in enumerate(chosen):
+        n = r["length"]
+        assert accepted.result.lengths[k] == n and accepted.result.finish_reasons[k] == r["finish_reason"]
+        np.testing.assert_array_equal(accepted.result.tokens[k, :n], r["tokens"])
+        np.testing.assert_array_equal(accepted.result.logprobs[k, :n], np.asarray(r["logprobs"], np.float32))
+    responses, mask, advantages = response_batch(accepted, 0, spec.sampling.max_new_tokens)
+    assert responses.shape == mask.shape == (2, spec.sampling.max_new_tokens) and advantages.shape == (2,)
+    print("samples_per_request=4 rewards:", [cd["rewards"] for cd in candidates], "group:", accepted.samples)
