@@ -41,8 +41,8 @@ def build_policy(spec: RunSpec, inputs: RunInputs, mesh=None):
 
 
 def train_mesh(spec: RunSpec):
-    """(MeshSpec, Mesh) for the run, or (spec, None) on one device; a mesh this process cannot build
-    is a config error (before any model work)."""
+    """(MeshSpec, Mesh) for the run, or (spec, None) on one device; a mesh the run's devices (of every
+    process under jax.distributed) cannot fill is a config error (before any model work)."""
     import jax
 
     mesh_spec = spec.mesh_spec()
