@@ -184,10 +184,12 @@ def _one_line(error: BaseException) -> str | None:
     """The message of an expected failure (bad settings, another run's or a broken checkpoint)."""
     from glm52_jax.checkpoint.train_state import CheckpointCorruptError, CheckpointMismatchError
     from glm52_jax.evidence.receipt import EvidenceError
+    from glm52_jax.rl.processes import ProcessDivergenceError
     from glm52_jax.run_config import ConfigError
 
     kinds = {ConfigError: "config error", CheckpointMismatchError: "resume error",
-             CheckpointCorruptError: "checkpoint error", EvidenceError: "evidence error"}
+             CheckpointCorruptError: "checkpoint error", EvidenceError: "evidence error",
+             ProcessDivergenceError: "process error"}
     for kind, label in kinds.items():
         if isinstance(error, kind):
             return f"{label}: {error}"

@@ -25,6 +25,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from glm52_jax.model.lora import LoRA
+from glm52_jax.parallel.placement import replicated_global
 
 
 class CheckpointMismatchError(ValueError):
@@ -76,10 +77,11 @@ class RunCheckpoints:
     def save(self, model: nnx.Module, optimizer, state: RunState) -> None:
         """Writes step `state.step` (synchronously; complete or absent, never partial)."""
         meta = {**state.meta, "step": state.step, "cursor": state.cursor, "optimizer_steps": state.optimizer_steps}
+        # Every process calls this with the same values; Orbax writes each array's shards once.
         args = ocp.args.Composite(
             lora=ocp.args.StandardSave(_pure_lora(model)),
-            optimizer=ocp.args.StandardSave(optimizer.opt_state),
-            rng=ocp.args.JaxRandomKeySave(state.rng),
+            optimizer=ocp.args.StandardSave(replicated_global(optimizer.opt_state)),
+            rng=ocp.args.JaxRandomKeySave(replicated_global(state.rng)),
             meta=ocp.args.JsonSave(meta),
         )
         if not self._manager.save(state.step, args=args, force=True):
@@ -109,7 +111,7 @@ class RunCheckpoints:
         with self._readable(step):
             restored = self._manager.restore(step, args=ocp.args.Composite(
                 lora=ocp.args.StandardRestore(_abstract(_pure_lora(model))),
-                optimizer=ocp.args.StandardRestore(_abstract(optimizer.opt_state)),
+                optimizer=ocp.args.StandardRestore(_abstract(replicated_global(optimizer.opt_state))),
                 rng=ocp.args.JaxRandomKeyRestore(),
                 meta=ocp.args.JsonRestore(),
             ))

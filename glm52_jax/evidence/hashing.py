@@ -25,16 +25,26 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 
 def state_arrays(state) -> dict[str, Any]:
-    """An `nnx.State` as `{"path/to/leaf": host array}` (C-contiguous), leaves without a shape skipped."""
+    """An `nnx.State` as `{"path/to/leaf": host array}` (C-contiguous), leaves without a shape skipped.
+
+    An array spread over several processes is all-gathered (a collective: every process of the run
+    must call this for the same state)."""
     import jax
     import numpy as np
     from flax import nnx
+
+    def host(value):
+        if isinstance(value, jax.Array) and not value.is_fully_addressable:
+            from jax.experimental import multihost_utils
+
+            return multihost_utils.process_allgather(value, tiled=True)
+        return jax.device_get(value)
 
     out = {}
     for path, var in nnx.to_flat_state(state):
         value = var.get_value() if hasattr(var, "get_value") else var
         if hasattr(value, "shape"):
-            out["/".join(map(str, path))] = np.ascontiguousarray(np.asarray(jax.device_get(value)))
+            out["/".join(map(str, path))] = np.ascontiguousarray(np.asarray(host(value)))
     return out
 
 

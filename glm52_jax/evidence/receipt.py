@@ -141,7 +141,12 @@ class EvidenceWriter:
             raise FileNotFoundError(f"artifact {name!r}: source {path} is not a file")
         return self._add(name, kind, _read_chunks(path))
 
-    def _add(self, name: str, kind: str, chunks: Iterable[bytes]) -> dict[str, Any]:
+    def add_written(self, name: str, kind: str) -> dict[str, Any]:
+        """List `artifacts/<name>`, written there (atomically, complete) by another process of the run,
+        e.g. its trace; the hash is of the file as it is now."""
+        return self._add(name, kind, None)
+
+    def _add(self, name: str, kind: str, chunks: Iterable[bytes] | None) -> dict[str, Any]:
         if self._committed:
             raise EvidenceError(f"cannot add artifact {name!r}: the receipt is already committed")
         problem = _name_problem(name)
@@ -156,6 +161,12 @@ class EvidenceWriter:
             if other.startswith(rel + "/") or rel.startswith(other + "/"):
                 raise EvidenceError(f"artifact {name!r} conflicts with {other!r} (file vs directory)")
         dest = self.run_dir / rel
+        if chunks is None:  # written by another process
+            if dest.is_symlink() or not dest.is_file():
+                raise EvidenceError(f"artifact {name!r}: {dest} is not a regular file")
+            entry = {"path": rel, "kind": kind, "bytes": dest.stat().st_size, "sha256": sha256_file(dest)}
+            self._entries[rel] = entry
+            return dict(entry)
         dest.parent.mkdir(parents=True, exist_ok=True)
         h = hashlib.sha256()
 

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from glm52_jax.parallel.rules import logical_to_spec
 
@@ -47,5 +47,25 @@ def to_host(tree: Any) -> Any:
             from jax.experimental import multihost_utils
             return np.asarray(multihost_utils.process_allgather(x, tiled=True))
         return np.asarray(jax.device_get(x))
+
+    return jax.tree.map(one, tree)
+
+
+def replicated_global(tree: Any) -> Any:
+    """Under several processes: every array of `tree` held by one process only (a scalar made outside
+    jit, an RNG key) as an array replicated over every device of every process, which is what Orbax
+    saves and restores across processes. The value must be the same on every process. Unchanged in
+    one process."""
+    if jax.process_count() == 1:
+        return tree
+    everywhere = NamedSharding(Mesh(np.array(jax.devices()), ("all",)), PartitionSpec())
+
+    def one(x):
+        if not isinstance(x, jax.Array) or not x.is_fully_addressable:
+            return x
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(one(jax.random.key_data(x)), impl=jax.random.key_impl(x))
+        host = np.asarray(jax.device_get(x))
+        return jax.make_array_from_callback(host.shape, everywhere, lambda index: host[index])
 
     return jax.tree.map(one, tree)

@@ -50,17 +50,13 @@ def build_policy(spec: RunSpec, inputs: RunInputs, mesh=None, *, init_adapter: b
 
 
 def train_mesh(spec: RunSpec):
-    """(MeshSpec, Mesh) for the run, or (spec, None) on one device; a mesh this process cannot build
-    is a config error (before any model work)."""
+    """(MeshSpec, Mesh) for the run, or (spec, None) on one device; a mesh the run's devices (of every
+    process under jax.distributed) cannot fill is a config error (before any model work)."""
     import jax
 
     mesh_spec = spec.mesh_spec()
     if mesh_spec.size == 1:
         return mesh_spec, None
-    if jax.process_count() > 1:
-        raise ConfigError(f"--config.mesh={spec.mesh}: train mode runs in one process so far (multi-host "
-                          "sampling, evidence and checkpoints are not wired yet); --mode=plan compiles the programs "
-                          "for this mesh")
     if jax.device_count() < mesh_spec.size:
         raise ConfigError(f"--config.mesh={spec.mesh} needs {mesh_spec.size} devices, this process has "
                           f"{jax.device_count()} ({jax.devices()[0].platform}); on CPU set "

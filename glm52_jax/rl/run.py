@@ -3,7 +3,8 @@
 Per step k: `evidence/step_00000k/receipt.json` (committed first), then Orbax checkpoint k (LoRA,
 AdamW state, RNG, data cursor). A rerun with the same settings resumes after the last checkpoint;
 evidence of a step without a checkpoint is set aside and the step reruns, which reproduces it
-(same state, same RNG). Events stream to `metrics.jsonl`.
+(same state, same RNG). Events stream to `metrics.jsonl`. Several processes (jax.distributed) run it
+together: process 0 writes the shared files, each process its own records (rl/processes.py).
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from glm52_jax.rl import settings
+from glm52_jax.rl import processes, settings
 from glm52_jax.rl.inputs import RunInputs, resolve
 from glm52_jax.run_config import RunSpec
-from glm52_jax.workdir import claim
 
 STEP_DIR = "step_{:06d}"
 _STEP_RE = re.compile(r"step_(\d{6})")
@@ -64,16 +64,18 @@ def prefill_progress(event, log, chunk_size: int):
     return progress
 
 
-def metrics_logger(path: Path):
-    """`event(kind, traces=None, **fields)`: appends a timed record to `path` (and to `traces`)."""
+def metrics_logger(path: Path, *, write: bool = True):
+    """`event(kind, traces=None, **fields)`: appends a timed record to `path` (unless not `write`: a
+    process other than 0) and to `traces`."""
     start = time.perf_counter()
 
     def event(kind: str, traces: list | None = None, **fields):
         record = {"event": kind, "t": round(time.perf_counter() - start, 3), **fields}
         if traces is not None:
             traces.append(record)
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        if write:
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
 
     return event
 
@@ -83,12 +85,14 @@ def run_online(spec: RunSpec, workdir: str | Path, *, log: Callable[[str], None]
     """Runs (or resumes) `spec.train.steps` transactions in `workdir`; returns a summary of the run.
 
     Everything is checked (settings, files, mesh) before the workdir is locked and written;
-    `command` is recorded with the settings in WORKDIR/config.json."""
+    `command` is recorded with the settings in WORKDIR/config.json. Several processes: every one
+    calls this with the same settings (checked) and the same shared `workdir`."""
     from glm52_jax.rl.policy import train_mesh
 
+    processes.check_same_settings(spec)
     inputs = resolve(spec)
     mesh_spec, mesh = train_mesh(spec)
-    with claim(spec, workdir, command) as workdir:
+    with processes.claim_run(spec, workdir, command) as workdir:
         return _run(inputs, workdir, mesh_spec, mesh, log)
 
 
@@ -105,8 +109,10 @@ def _run(inputs: RunInputs, workdir: Path, mesh_spec, mesh, log) -> dict[str, An
     if latest >= spec.train.steps:
         log(f"run in {workdir} is complete: step {latest} of train.steps={spec.train.steps}; nothing to do")
         return {"workdir": str(workdir), "steps_run": 0, "last_step": latest, "status": "complete", "steps": []}
-    set_aside_uncommitted(workdir / "evidence", latest, log)
-    event = metrics_logger(workdir / "metrics.jsonl")
+    if processes.is_writer():
+        set_aside_uncommitted(workdir / "evidence", latest, log)
+    processes.barrier("run: uncommitted evidence set aside")
+    event = metrics_logger(workdir / "metrics.jsonl", write=processes.is_writer())
 
     import jax
 

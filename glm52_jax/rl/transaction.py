@@ -6,8 +6,10 @@
     in the configured gradient mode, exactly one AdamW step -> artifacts (raw sampler records of every
     sample in `samples.jsonl`) + receipt (with a decode audit of every candidate sample), committed last.
 
-`run_transaction` composes three parts: `update` (the gradient step and new log-probs),
-`write_artifacts` (arrays, JSON records, traces) and `receipt_fields` (the receipt's sections).
+`run_transaction` composes four parts: `update` (the gradient step and new log-probs),
+`write_artifacts` (arrays, JSON records), `write_rank_records` (each process's trace and completion
+record) and `receipt_fields` (the receipt's sections). In a multi-process run every process computes
+the whole transaction; process 0 writes the evidence (rl/processes.py).
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from typing import Any
 
 import numpy as np
 
+from glm52_jax.evidence.atomic import atomic_write_bytes
 from glm52_jax.evidence.hashing import sha256_bytes, state_bytes
-from glm52_jax.rl import decode_audit
+from glm52_jax.evidence.receipt import ARTIFACTS_DIR
+from glm52_jax.rl import decode_audit, processes
 from glm52_jax.rl.inputs import RunInputs
 from glm52_jax.rl.samples import REQUEST_CANDIDATE, jsonl_bytes
 from glm52_jax.rl.search import Accepted, candidate_seeds, engine_probe, probe_seed, response_batch, search_group
@@ -39,6 +43,7 @@ def update(inputs: RunInputs, model, optimizer, sampler, accepted: Accepted) -> 
     import jax.numpy as jnp
     from flax import nnx
 
+    from glm52_jax.parallel.placement import to_host
     from glm52_jax.rl.gradients import cached_response_logprobs_jit, prefix_for_response
     from glm52_jax.rl.update import NonFiniteGradientError, grpo_update
 
@@ -62,8 +67,8 @@ def update(inputs: RunInputs, model, optimizer, sampler, accepted: Accepted) -> 
     # The updated adapters on the responses, the prompt's KV from the sampling policy (response_only's view of
     # the new policy): one pass over R tokens per sample, not a forward over G x (P + R) tokens.
     graphdef, state = nnx.split(model)
-    new_logprobs = np.asarray(cached_response_logprobs_jit(graphdef, state, prefix, jnp.asarray(prompt, jnp.int32),
-                                                           jnp.asarray(responses))) * mask
+    new_logprobs = to_host(cached_response_logprobs_jit(graphdef, state, prefix, jnp.asarray(prompt, jnp.int32),
+                                                        jnp.asarray(responses))) * mask
     loss = float(upd.loss)
     training = {"status": "updated", "optimizer_steps": optimizer.step - steps_before, "mode": mode, "loss": loss,
                 "grad_norm": float(upd.grad_norm), "metrics": {k: float(v) for k, v in upd.metrics.items()},
@@ -76,8 +81,8 @@ def update(inputs: RunInputs, model, optimizer, sampler, accepted: Accepted) -> 
 
 
 def write_artifacts(writer, spec, *, arrays: dict, seeds: list[int], stop_ids, candidates: list[dict],
-                    samples: list[dict], inventories: tuple[dict, dict], lora: tuple[bytes, bytes], cleanup: dict,
-                    traces: list) -> None:
+                    samples: list[dict], inventories: tuple[dict, dict], lora: tuple[bytes, bytes],
+                    cleanup: dict) -> None:
     """Every artifact of a transaction (each hashed into the manifest)."""
     for name, array in sorted(arrays.items()):
         writer.add_array(name, array, kind="array")
@@ -94,14 +99,42 @@ def write_artifacts(writer, spec, *, arrays: dict, seeds: list[int], stop_ids, c
     writer.add_bytes("lora_before.safetensors", lora[0], kind="lora")
     writer.add_bytes("lora_after.safetensors", lora[1], kind="lora")
     writer.add_json("cleanup.json", cleanup, kind="cleanup")
-    writer.add_bytes("traces/rank0.jsonl", "".join(json.dumps(r) + "\n" for r in traces).encode(), kind="trace")
+
+
+def _rank_files(rank: int) -> dict[str, str]:
+    """{artifact name: kind} of one process's own records."""
+    return {f"traces/rank{rank}.jsonl": "trace", f"completion/rank{rank}.json": "completion"}
+
+
+def write_rank_records(writer, evidence_dir: Path, step: int, traces: list) -> list[str]:
+    """This process's trace (its events) and completion record (devices, events, peak memory) under
+    artifacts/; process 0 (`writer`) then lists every process's, after a barrier. Returns the
+    artifact paths (all nondeterministic: timings, memory)."""
+    rank = processes.index()
+    own = {"trace": "".join(json.dumps(r) + "\n" for r in traces).encode(),
+           "completion": (json.dumps(processes.completion_record(traces), sort_keys=True, indent=2) + "\n").encode()}
+    if writer is None:
+        for name, kind in _rank_files(rank).items():
+            dest = evidence_dir / ARTIFACTS_DIR / name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(dest, own[kind], overwrite=False)
+    processes.barrier(f"step {step}: rank records written")
+    if writer is None:
+        return []
+    for name, kind in _rank_files(rank).items():
+        writer.add_bytes(name, own[kind], kind=kind)
+    for other in range(1, processes.count()):
+        for name, kind in _rank_files(other).items():
+            writer.add_written(name, kind)
+    return [f"{ARTIFACTS_DIR}/{name}" for r in range(processes.count()) for name in _rank_files(r)]
 
 
 def receipt_fields(inputs: RunInputs, cfg, *, step: int, cursor: int, candidates: list[dict], samples: list[dict],
                    accepted: Accepted | None, training: dict, numerics: dict, cleanup: dict, traces: list,
-                   probe: tuple[dict, dict] | None) -> dict:
+                   probe: tuple[dict, dict] | None, rank_paths: list[str]) -> dict:
     """The receipt's sections (the manifest and provenance are added by the writer). `probe`: the engine
-    probe's (record, timing), its timing a nondeterministic section."""
+    probe's (record, timing), its timing a nondeterministic section; `rank_paths`: the processes' traces
+    and completion records (process 0's events are counted in "traces")."""
     import jax
 
     spec = inputs.spec
@@ -131,9 +164,9 @@ def receipt_fields(inputs: RunInputs, cfg, *, step: int, cursor: int, candidates
         **probe_sections,
         "training": training,
         "numerics": numerics,
-        "traces": {"ranks": 1, "events": len(traces)},
+        "traces": {"ranks": jax.process_count(), "events": len(traces)},
         "cleanup": cleanup,
-        "nondeterministic": ["traces", "artifacts/traces/rank0.jsonl"] + (["probe_timing"] if probe else []),
+        "nondeterministic": ["traces", *rank_paths] + (["probe_timing"] if probe else []),
     }
 
 
@@ -141,10 +174,12 @@ def run_transaction(inputs: RunInputs, *, step: int, step_key, cursor: int, mode
                     evidence_dir: Path, event, log) -> dict[str, Any]:
     """One transaction (search, sample, reward, update) with its receipt in `evidence_dir`."""
     from glm52_jax.checkpoint.inventory import changed_entries, param_inventory
-    from glm52_jax.evidence import EvidenceWriter
+    from glm52_jax.evidence import RECEIPT_NAME, EvidenceWriter
 
     spec = inputs.spec
-    writer = EvidenceWriter(evidence_dir)  # refuses an existing receipt before any compute
+    # Refuses an existing receipt before any compute; the other processes write into it only after a barrier.
+    writer = EvidenceWriter(evidence_dir) if processes.is_writer() else None
+    processes.barrier(f"step {step}: evidence directory ready")
     traces: list[dict[str, Any]] = []
     inventory_before, lora_before = param_inventory(model), lora_bytes(model)
     stop_ids = tuple(int(i) for i in model.cfg.eos_token_id)
@@ -169,6 +204,7 @@ def run_transaction(inputs: RunInputs, *, step: int, step_key, cursor: int, mode
     training: dict[str, Any] = {"status": "no_mixed_group", "optimizer_steps": 0}
     numerics: dict[str, Any] = {"finite": True}
     arrays: dict[str, Any] = {}
+    processes.check_same_samples(step, jsonl_bytes(samples), [cd["rewards"] for cd in candidates])
     if accepted is not None:
         mode = spec.train.gradient_mode
         event("update_start", traces, step=step, mode=mode)
@@ -187,13 +223,17 @@ def run_transaction(inputs: RunInputs, *, step: int, step_key, cursor: int, mode
     sampler.prefix_cache.clear()
     event("step_done", traces, step=step, status=training["status"])
 
-    write_artifacts(writer, spec, arrays=arrays, seeds=seeds, stop_ids=stop_ids, candidates=candidates,
-                    samples=samples, inventories=(inventory_before, inventory_after), lora=(lora_before, lora_after),
-                    cleanup=cleanup, traces=traces)
-    fields = receipt_fields(inputs, model.cfg, step=step, cursor=cursor, candidates=candidates, samples=samples,
-                            accepted=accepted, training=training, numerics=numerics, cleanup=cleanup, traces=traces,
-                            probe=probe)
-    receipt = writer.commit(fields)
-    log(f"step {step} receipt: {receipt}")
+    if writer is not None:
+        write_artifacts(writer, spec, arrays=arrays, seeds=seeds, stop_ids=stop_ids, candidates=candidates,
+                        samples=samples, inventories=(inventory_before, inventory_after),
+                        lora=(lora_before, lora_after), cleanup=cleanup)
+    rank_paths = write_rank_records(writer, evidence_dir, step, traces)
+    receipt = evidence_dir / RECEIPT_NAME
+    if writer is not None:
+        fields = receipt_fields(inputs, model.cfg, step=step, cursor=cursor, candidates=candidates, samples=samples,
+                                accepted=accepted, training=training, numerics=numerics, cleanup=cleanup,
+                                traces=traces, probe=probe, rank_paths=rank_paths)
+        receipt = writer.commit(fields)
+        log(f"step {step} receipt: {receipt}")
     return {"step": step, "receipt": str(receipt), "status": training["status"], "candidates": len(candidates),
-            "accepted": fields["candidate_search"]["accepted"], "training": training}
+            "accepted": None if accepted is None else accepted.index, "training": training}

@@ -329,3 +329,23 @@ def test_evidence_modules_import_neither_jax_nor_numpy():
             "print(sorted(m for m in ('jax', 'numpy', 'flax') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_file_written_by_another_process_is_listed_with_its_hash(tmp_path):
+    import hashlib
+
+    from glm52_jax.evidence import atomic_write_bytes
+
+    writer = EvidenceWriter(tmp_path / "run", provenance=PROVENANCE)
+    other = tmp_path / "run" / "artifacts" / "traces" / "rank1.jsonl"
+    other.parent.mkdir(parents=True)
+    atomic_write_bytes(other, b'{"event": "step_done"}\n', overwrite=False)  # as process 1 writes it
+    entry = writer.add_written("traces/rank1.jsonl", kind="trace")
+    assert entry == {"path": "artifacts/traces/rank1.jsonl", "kind": "trace", "bytes": 23,
+                     "sha256": hashlib.sha256(b'{"event": "step_done"}\n').hexdigest()}
+    with pytest.raises(EvidenceError, match="rank2.jsonl.*not a regular file"):
+        writer.add_written("traces/rank2.jsonl", kind="trace")  # never written
+    receipt = writer.commit({})
+    assert verify(receipt) == []
+    other.write_bytes(b"edited\n")
+    assert any("traces/rank1.jsonl" in failure for failure in verify(receipt))

@@ -49,7 +49,8 @@ def test_a_checkpoint_template_renders_the_prompts_and_is_named_in_the_receipt_f
         assert tok.decode(prompt).endswith(row.content + "<|assistant|><think>")
 
     receipt = receipt_fields(inputs, inputs.model_cfg, step=1, cursor=first, candidates=[], samples=[], probe=None,
-                             accepted=None, training={}, numerics={}, cleanup={}, traces=[])
+                             accepted=None, training={}, numerics={}, cleanup={}, traces=[],
+                             rank_paths=[])
     assert receipt["prompt"]["chat_template"] == inputs.chat_template
 
     fallback = resolve(_spec())  # the embedded tiny policy ships no template

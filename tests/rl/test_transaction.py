@@ -589,7 +589,8 @@ def test_engine_probe_request_on_the_embedded_policy(inproc, tmp_path):
     receipt = json.loads((art.parent / "receipt.json").read_text())
     candidates = json.loads((art / "rewards.json").read_text())
     fields = receipt_fields(inputs, model.cfg, step=1, cursor=0, candidates=candidates, samples=records + step1,
-                            accepted=None, training={}, numerics={}, cleanup={}, traces=[], probe=(section, timing))
+                            accepted=None, training={}, numerics={}, cleanup={}, traces=[], probe=(section, timing),
+                            rank_paths=["artifacts/traces/rank0.jsonl"])
     assert fields["probe"] == section and fields["probe_timing"] == timing
     assert fields["decode_audit"] == receipt["decode_audit"]  # the candidates' audit leaves the probe out
     writer = EvidenceWriter(tmp_path / "run")
