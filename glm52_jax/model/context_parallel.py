@@ -273,7 +273,9 @@ def _partial_attention(q_lat, q_rope, topk, cache_c, cache_r, slot, c_new, r_new
     # The combine is exact for any shift, so the shift carries no gradient.
     m_all = jax.lax.pmax(jax.lax.stop_gradient(m), axes)
     m_all = jnp.where(jnp.isfinite(m_all), m_all, 0.0)
-    p = jnp.where(keep, jnp.exp(logits - m_all[..., None]), 0.0)
+    # Mask before the exp: a key that is not kept may sit far above the kept maximum, and exp of it
+    # (inf) would turn the zero cotangent of the masked branch into NaN in the backward pass.
+    p = jnp.exp(jnp.where(keep, logits - m_all[..., None], -jnp.inf))
     denom = jax.lax.psum(jnp.sum(p, axis=-1), axes)  # [B,S,H]
     num = jax.lax.psum(jnp.einsum("bshk,bskc->bshc", p.astype(kv.dtype), kv, preferred_element_type=jnp.float32),
                        axes)
