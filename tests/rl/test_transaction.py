@@ -224,7 +224,7 @@ def test_corrupt_latest_checkpoint_is_one_line_naming_the_fallback(runs, tmp_pat
     ("model.checkpoint", "/nonexistent/ckpt", "no config.json"),
     ("data.prompt_tokens", 65536, "position capacity"),
     ("data.prompt_tokens", 20, "prompt_tokens"),
-    ("search.probe_tokens", 20, "search.probe_tokens=20: n_tokens=20 is too small"),
+    ("search.probe_tokens", 20, "search.probe_tokens=20: row 0: n_tokens=20 is too small"),
 ])
 def test_files_that_cannot_run_fail_before_any_model_work(key, value, match):
     with pytest.raises(ConfigError, match=match):
@@ -319,8 +319,11 @@ def test_ctrl_c_stops_at_once_and_says_what_was_kept(tmp_path):
     # An empty compile cache of its own: the signal lands in a real compile (the case that used to wait for
     # the compile to end), not in whatever step the session's warm cache had reached.
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla_cache"))
+    # SIGINT's default action in the child even where this test process ignores it (a pytest-xdist worker
+    # does; an ignored SIGINT is inherited, and Python then installs no KeyboardInterrupt handler).
     proc = subprocess.Popen([sys.executable, "-m", "glm52_jax.launch", f"--workdir={workdir}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     _wait_for(proc, workdir / "metrics.jsonl", {"event": "loaded"})
     time.sleep(1.0)  # inside the sampler's first compile
     start = time.monotonic()
