@@ -65,7 +65,7 @@ def test_init_adapter_seeds_the_policy(adapter):
     assert diff > 1e-3, diff
     # The receipt's model section names the adapter and its hash.
     fields = receipt_fields(inputs, seeded.cfg, step=1, cursor=0, candidates=[], samples=[], accepted=None,
-                            training={}, numerics={}, cleanup={}, traces=[], probe=None)
+                            training={}, numerics={}, cleanup={}, traces=[], probe=None, rank_paths=[])
     assert fields["model"]["init_adapter"] == {"path": str(path.resolve()), "sha256": digest}
 
 

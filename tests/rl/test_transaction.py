@@ -319,11 +319,14 @@ def test_ctrl_c_stops_at_once_and_says_what_was_kept(tmp_path):
     # An empty compile cache of its own: the signal lands in a real compile (the case that used to wait for
     # the compile to end), not in whatever step the session's warm cache had reached.
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla_cache"))
-    # SIGINT's default action in the child even where this test process ignores it (a pytest-xdist worker
-    # does; an ignored SIGINT is inherited, and Python then installs no KeyboardInterrupt handler).
-    proc = subprocess.Popen([sys.executable, "-m", "glm52_jax.launch", f"--workdir={workdir}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # Python's KeyboardInterrupt handler in the child even where this test process ignores SIGINT (a
+    # pytest-xdist worker does; an ignored SIGINT is inherited and Python then installs no handler), set
+    # before the launcher runs as `python -m glm52_jax.launch` would.
+    launch = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+              "sys.argv = ['glm52_jax.launch', *sys.argv[1:]]; "
+              "runpy.run_module('glm52_jax.launch', run_name='__main__', alter_sys=True)")
+    proc = subprocess.Popen([sys.executable, "-c", launch, f"--workdir={workdir}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     _wait_for(proc, workdir / "metrics.jsonl", {"event": "loaded"})
     time.sleep(1.0)  # inside the sampler's first compile
     start = time.monotonic()
