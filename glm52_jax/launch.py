@@ -45,8 +45,11 @@ flags.DEFINE_integer("seq_len", 256, "forward mode: tokens per sequence", lower_
 flags.DEFINE_bool("debug", False, "show tracebacks instead of one-line errors")
 
 
+_RANK_PREFIX = [""]  # "[p/P] " once a run spans several processes: whose progress line is whose
+
+
 def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    print(f"{_RANK_PREFIX[0]}{msg}", file=sys.stderr, flush=True)
 
 
 def _flag_error(error: Exception, argv: list[str]) -> str:
@@ -202,13 +205,17 @@ def main(argv):
     if FLAGS.verbosity <= 0:  # Orbax logs every file rename at INFO; keep the console to our progress lines
         logging.set_verbosity(logging.WARNING)
     from glm52_jax import workdir as workdir_lib
-    from glm52_jax.parallel import distributed
+    from glm52_jax.parallel import distributed, peer_watch
     from glm52_jax.run_config import ConfigError
 
     distributed.default_to_cpu_without_a_gpu()
     outcome: dict = {}
     try:
         spec = _spec()  # every value checked, before JAX starts
+        try:
+            peer_timeout_s = peer_watch.timeout_from_env()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if FLAGS.mode == "plan":
             from glm52_jax.plan.devices import ensure_virtual_devices
 
@@ -224,24 +231,39 @@ def main(argv):
     def work():
         try:
             if FLAGS.mode != "plan":
-                distributed.initialize()  # multi-host when GLM52_* or SLURM variables say so; else a no-op
+                group = distributed.initialize()  # multi-host when GLM52_* or SLURM variables say so; else a no-op
+                if group is not None and group.num_processes > 1:
+                    _RANK_PREFIX[0] = f"[{group.process_id}/{group.num_processes}] "
+                    outcome["watch"] = peer_watch.for_this_process(peer_timeout_s)
             outcome["result"] = _run_mode(spec, workdir)
         except BaseException as e:  # handed to the main thread, which reports it
             outcome["error"] = e
 
     # The work runs in a thread so that the main thread stays in Python and takes Ctrl-C at once, even
     # while XLA compiles (a signal handler only runs between bytecodes of the main thread).
+    # It also watches the other processes of a multi-process run (parallel/peer_watch.py): one that dies
+    # stops this one within seconds, with a line naming it, instead of a hang in a collective.
     worker = threading.Thread(target=work, name="glm52-run", daemon=True)
     worker.start()
+
+    def kept() -> str:
+        return (workdir_lib.kept_summary(workdir) if workdir and FLAGS.mode == "train" else
+                f"--mode={FLAGS.mode} did not finish; its receipt / export.json (written last) was not committed")
+
     try:
         while worker.is_alive():
-            worker.join(0.2)
+            worker.join(0.5)
+            lost = outcome["watch"].poll() if outcome.get("watch") is not None else None
+            if lost is not None:
+                print(f"process error: {lost}; this process stops too: {kept()}", file=sys.stderr, flush=True)
+                workdir_lib.release_held()
+                os._exit(1)  # the work thread may sit in a collective that never returns
     except KeyboardInterrupt:
-        kept = (workdir_lib.kept_summary(workdir) if workdir and FLAGS.mode == "train" else
-                f"--mode={FLAGS.mode} did not finish; its receipt / export.json (written last) was not committed")
-        print(f"\ninterrupted: {kept}", file=sys.stderr, flush=True)
+        print(f"\ninterrupted: {kept()}", file=sys.stderr, flush=True)
         workdir_lib.release_held()
         os._exit(130)  # evidence and checkpoints are written atomically: stopping mid-step loses nothing committed
+    if outcome.get("watch") is not None:
+        outcome["watch"].finish(ok="error" not in outcome)
     error = outcome.get("error")
     if error is not None:
         message = None if FLAGS.debug else _one_line(error)

@@ -69,3 +69,13 @@ def replicated_global(tree: Any) -> Any:
         return jax.make_array_from_callback(host.shape, everywhere, lambda index: host[index])
 
     return jax.tree.map(one, tree)
+
+
+def replicated_live_arrays(min_bytes: int) -> list[str]:
+    """Every live array of at least `min_bytes` that lives whole on each of several devices, described
+    (shape, dtype, sharding): an audit for arrays replicated by accident (a cache or key stack created
+    outside jit, an activation the partitioner could not split). Weights replicated on purpose (TP1)
+    count too, so choose `min_bytes` above the largest such weight."""
+    return [f"{a.shape} {a.dtype} {a.sharding}" for a in jax.live_arrays()
+            if len(a.sharding.device_set) > 1 and a.sharding.is_fully_replicated
+            and a.size * a.dtype.itemsize >= min_bytes]
