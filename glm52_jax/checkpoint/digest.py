@@ -24,6 +24,15 @@ Why this shape:
   as (outer, inner) over the leading and trailing axes (inner spans the longest run of trailing axes
   with fewer than 2^32 elements) and the outer index is mixed in as well. Smaller arrays use the flat
   index as is.
+- Bounded memory: mixing a whole array at once materialises its [*S, 4] uint32 lane values, ~8x a
+  bf16 parameter (the 2M plan's inventory needed 663 GB of temporaries per device). Arrays of more
+  than `CHUNK_BYTES` of words are summed by a `fori_loop` over blocks (`chunk_plan`) instead, each
+  word still mixed with its global position, so the sum and digest are bit-identical to the
+  whole-array ones and temporaries are bounded by one block: XLA:CPU materialises a step's lane
+  values, 4 x `CHUNK_BYTES` (256 MiB) at most, less per device when the array is sharded. The block
+  size counts the GLOBAL array, as whether an array is replicated is not known inside `jit` on an
+  Auto mesh; a sharded array therefore takes more, smaller steps, each with a u32[4] all-reduce (the
+  2M inventory: ~48k steps in all, 1.9 GB of temporaries per device).
 - All arrays on one set of devices go through ONE jitted program whose output is a small
   [n_arrays, 4] uint32 table: one dispatch, one compile per state structure, and the only
   device-to-host transfer is that table (fetched with `parallel.placement.to_host`, which also works
@@ -34,10 +43,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from glm52_jax.parallel.placement import to_host
 
@@ -47,6 +59,10 @@ LANES = 4
 _SEEDS = (0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35, 0x27D4EB2F)
 _OUTER_SEEDS = (0x165667B1, 0xD3A2646C, 0xFD7046C5, 0xB55A4F09)
 INDEX_LIMIT = 1 << 32  # positions below this are the flat index itself
+# Bytes of uint32 words one loop step of `array_digest` covers, all devices together (see `chunk_plan`):
+# 64 MiB keeps a step's temporaries (4 lanes per word) near 256 MiB, under 0.3% of a 96 GiB device,
+# while keeping the step count of a 1.5 TB model in the tens of thousands.
+CHUNK_BYTES = 64 << 20
 
 
 def fmix32(h: jax.Array) -> jax.Array:
@@ -84,13 +100,20 @@ def _inner_axes(shape: tuple[int, ...], limit: int) -> int:
     return k
 
 
-def _flat_iota(shape: tuple[int, ...], axes: range) -> jax.Array:
-    """[*shape] uint32: the row-major flat index over `axes` of every element (wrapping mod 2^32)."""
-    index = jnp.zeros(shape, jnp.uint32)
-    stride = 1
+def _strides(shape: tuple[int, ...], axes: range) -> dict[int, int]:
+    """{axis: its row-major stride} over the axes `axes` of `shape` (the flat index of that axis group)."""
+    strides, stride = {}, 1
     for axis in reversed(axes):
-        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride % INDEX_LIMIT)
+        strides[axis] = stride
         stride *= shape[axis]
+    return strides
+
+
+def _flat_iota(shape: tuple[int, ...], coefs: dict[int, int], offset: jax.Array | None = None) -> jax.Array:
+    """[*shape] uint32: `offset + sum_a iota_a * coefs[a]` over the axes in `coefs`, wrapping mod 2^32."""
+    index = jnp.zeros(shape, jnp.uint32) if offset is None else jnp.broadcast_to(offset, shape)
+    for axis in sorted(coefs, reverse=True):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(coefs[axis] % INDEX_LIMIT)
     return index
 
 
@@ -98,20 +121,136 @@ def position_keys(shape: tuple[int, ...], limit: int = INDEX_LIMIT) -> tuple[jax
     """(inner, outer) uint32 [*shape] indices of every element; `outer` is None when size < `limit`
     (then `inner` is the flat index). `limit` is a parameter only so tests can reach the split path."""
     k = _inner_axes(shape, limit)
-    inner = _flat_iota(shape, range(k, len(shape)))
-    return inner, (_flat_iota(shape, range(k)) if k else None)
+    inner = _flat_iota(shape, _strides(shape, range(k, len(shape))))
+    return inner, (_flat_iota(shape, _strides(shape, range(k))) if k else None)
 
 
-def array_digest(x: jax.Array, limit: int = INDEX_LIMIT) -> jax.Array:
-    """[LANES] uint32 digest of one array (call inside `jit`; see the module docstring)."""
-    words = as_words(x)
-    inner, outer = position_keys(words.shape, limit)
+def _lane_sums(words: jax.Array, inner: jax.Array, outer: jax.Array | None, mask: jax.Array | None = None
+               ) -> jax.Array:
+    """[LANES] uint32: sum over `words` [*W] (where `mask` [*W], if given) of fmix32(word ^ mix(position))
+    per lane (mod 2^32)."""
     # Lanes on a trailing axis: one fused elementwise-and-reduce per array rather than one per lane.
     seeds, outer_seeds = jnp.asarray(_SEEDS, jnp.uint32), jnp.asarray(_OUTER_SEEDS, jnp.uint32)
     mixed_index = fmix32(inner[..., None] + seeds)  # [*W, LANES]
     if outer is not None:
         mixed_index = fmix32(mixed_index ^ fmix32(outer[..., None] + outer_seeds))
-    return jnp.sum(fmix32(words[..., None] ^ mixed_index), axis=tuple(range(words.ndim)), dtype=jnp.uint32)
+    values = fmix32(words[..., None] ^ mixed_index)  # [*W, LANES]
+    if mask is not None:
+        values = jnp.where(mask[..., None], values, jnp.uint32(0))
+    return jnp.sum(values, axis=tuple(range(words.ndim)), dtype=jnp.uint32)
+
+
+class AxisCut(NamedTuple):
+    """How the loop of `array_digest` walks one axis of m elements: reshaped to [groups, m / groups], it
+    reads `block` consecutive elements of the second factor per step, in `blocks` steps (the last block
+    ends at the axis' end and overlaps the one before it when `block` does not divide m / groups)."""
+
+    groups: int  # gcd(m, devices)
+    length: int  # m / groups, the walked factor
+    block: int
+    blocks: int
+
+
+def chunk_plan(shape: tuple[int, ...], word_bytes: int, chunk_bytes: int, devices: int) -> tuple[AxisCut, ...]:
+    """Per axis of `shape`, its `AxisCut`: a loop step reads [groups_0, block_0, groups_1, block_1, ...].
+
+    Axes are cut leading axis first, each into as many blocks as the step still needs to hold at most
+    about `chunk_bytes` of words (`word_bytes` per element). groups = gcd(m, devices) is a multiple of
+    every device count that can shard the axis evenly, so the reshape to [groups, m / groups] keeps
+    each device's shard on its device, the blocks run along an axis no device splits, and a step reads
+    a slice of every shard (no gather; every device busy every step). An axis gives at most
+    m / groups blocks, so a step can exceed `chunk_bytes` when the axes have no more room.
+    """
+    need = -(-math.prod(shape) * word_bytes // chunk_bytes)  # steps wanted
+    cuts = []
+    for size in shape:
+        groups = math.gcd(size, devices)
+        free = size // groups
+        block = -(-free // min(max(need, 1), free))
+        cuts.append(AxisCut(groups, free, block, -(-free // block)))
+        need = -(-need // cuts[-1].blocks)
+    return tuple(cuts)
+
+
+def _digits(step: jax.Array, cuts: tuple[AxisCut, ...]) -> list[jax.Array]:
+    """The block index of every axis for loop step `step` (mixed radix, last axis fastest; its dtype)."""
+    digits, rest = [], step
+    for cut in reversed(cuts):
+        digits.append(rest % cut.blocks if cut.blocks > 1 else jnp.zeros_like(step))
+        rest = rest // cut.blocks
+    return digits[::-1]
+
+
+def _explicit_sharding(x: jax.Array, pattern) -> NamedSharding | None:
+    """`x`'s type sharding with the spec `pattern(axes)` of its per-axis mesh axes, when its type names any
+    (Explicit mesh axes, which a reshape must be told about); None otherwise (Auto axes: the partitioner
+    propagates the sharding itself)."""
+    sharding = jax.typeof(x).sharding
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    return sharding.update(spec=P(*pattern(spec))) if any(axes is not None for axes in spec) else None
+
+
+def _chunk_positions(shape: tuple[int, ...], strides: dict[int, int], cuts: tuple[AxisCut, ...],
+                     starts: list[jax.Array]) -> jax.Array:
+    """[*shape] uint32 flat index over one index group (`strides`: {array axis: stride}) of a step's
+    chunk [g_0, b_0, g_1, b_1, ..., *word axes]: on axis a the element (p, i) has coordinate
+    p * (m_a / g_a) + starts[a] + i, so its stride splits into p's and i's and starts[a] joins the offset."""
+    coefs, terms = {}, []
+    for axis, stride in strides.items():
+        if axis >= len(cuts):  # the word axis of 8-byte types, never cut
+            coefs[2 * len(cuts)] = stride
+            continue
+        cut = cuts[axis]
+        coefs[2 * axis], coefs[2 * axis + 1] = stride * cut.length, stride
+        if cut.blocks > 1:
+            terms.append(starts[axis].astype(jnp.uint32) * jnp.uint32(stride % INDEX_LIMIT))
+    return _flat_iota(shape, coefs, sum(terms[1:], terms[0]) if terms else None)
+
+
+def _tail_mask(shape: tuple[int, ...], cuts: tuple[AxisCut, ...], digits: list[jax.Array],
+               starts: list[jax.Array]) -> jax.Array | None:
+    """[*shape] bool: False where a last block re-reads elements of the block before it (None: no overlap)."""
+    mask = None
+    for axis, cut in enumerate(cuts):
+        if cut.block * cut.blocks > cut.length:
+            # Block d is meant to start at d * block; a clamped last block starts earlier.
+            fresh = jax.lax.broadcasted_iota(jnp.int32, shape, 2 * axis + 1) + starts[axis] >= digits[axis] * cut.block
+            mask = fresh if mask is None else mask & fresh
+    return mask
+
+
+def array_digest(x: jax.Array, limit: int = INDEX_LIMIT, chunk_bytes: int = CHUNK_BYTES) -> jax.Array:
+    """[LANES] uint32 digest of one array (call inside `jit`; see the module docstring). Arrays of more
+    than `chunk_bytes` of words are summed by a loop over the blocks of `chunk_plan`, so temporaries
+    are bounded by a block, not by the array; `limit` and `chunk_bytes` are parameters only so tests
+    can reach the split-index and chunked paths."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)  # typed PRNG keys: their uint32 key data, [*S, key words]
+    word_axes = (2,) if jnp.dtype(x.dtype).itemsize == 8 else ()  # 8-byte types: two words per element
+    word_shape = x.shape + word_axes
+    k = _inner_axes(word_shape, limit)
+    cuts = chunk_plan(x.shape, 4 * math.prod(word_axes), chunk_bytes, jax.device_count())
+    steps = math.prod(cut.blocks for cut in cuts)
+    if steps == 1:
+        return _lane_sums(as_words(x), *position_keys(word_shape, limit))
+
+    groups = [_strides(word_shape, range(k, len(word_shape))), _strides(word_shape, range(k))]  # inner, outer
+    # [g_0, m_0 / g_0, g_1, ...]; an axis' sharding (named in its type on Explicit meshes) goes to its groups.
+    split_sharding = _explicit_sharding(x, lambda spec: (n for axes in spec for n in (axes, None)))
+    split_x = jax.lax.reshape(x, tuple(n for cut in cuts for n in (cut.groups, cut.length)),
+                              out_sharding=split_sharding)
+    block_shape = tuple(n for cut in cuts for n in (cut.groups, cut.block))
+
+    def step(j, sums):
+        digits = _digits(j, cuts)
+        starts = [jnp.minimum(digit * cut.block, cut.length - cut.block) for digit, cut in zip(digits, cuts)]
+        chunk = jax.lax.dynamic_slice(split_x, [n for start in starts for n in (jnp.zeros_like(start), start)],
+                                      block_shape)
+        words = as_words(chunk)  # [g_0, b_0, g_1, b_1, ..., *word axes]
+        inner, outer = (_chunk_positions(words.shape, group, cuts, starts) if group else None for group in groups)
+        return sums + _lane_sums(words, inner, outer, _tail_mask(words.shape, cuts, digits, starts))
+
+    return jax.lax.fori_loop(0, steps, step, jnp.zeros(LANES, jnp.uint32))
 
 
 @jax.jit

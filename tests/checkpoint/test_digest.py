@@ -1,6 +1,8 @@
 """On-device array digests: equal to an independent numpy computation, identical for every sharding on
 8 devices, and changed by a one-bit flip or a swap of two elements."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,17 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from glm52_jax.checkpoint.digest import LANES, array_digest, digest_table, hex_digest, position_keys
+from glm52_jax.checkpoint.digest import (
+    CHUNK_BYTES,
+    INDEX_LIMIT,
+    LANES,
+    AxisCut,
+    array_digest,
+    chunk_plan,
+    digest_table,
+    hex_digest,
+    position_keys,
+)
 
 SEEDS = np.array([0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35, 0x27D4EB2F], np.uint32)
 OUTER_SEEDS = np.array([0x165667B1, 0xD3A2646C, 0xFD7046C5, 0xB55A4F09], np.uint32)
@@ -30,9 +42,11 @@ def reference_digest(x: np.ndarray, inner_from: int = 0) -> np.ndarray:
     `inner_from` form the outer index (the > 2^32-element path), the rest the inner one."""
     x = np.asarray(x)
     words = x.astype(np.uint32) if x.dtype == np.bool_ else x.view(f"u{x.dtype.itemsize}").astype(np.uint32)
-    index = np.indices(x.shape, dtype=np.uint32)
-    inner = np.ravel_multi_index(tuple(index[inner_from:]), x.shape[inner_from:]).astype(np.uint32)
-    outer = np.ravel_multi_index(tuple(index[:inner_from]), x.shape[:inner_from]).astype(np.uint32)
+    if x.dtype.itemsize == 8:  # two words per element, low word first: [*S, 2]
+        words = np.ascontiguousarray(x).view(np.uint32).reshape(x.shape + (2,))
+    index = np.indices(words.shape, dtype=np.uint32)
+    inner = np.ravel_multi_index(tuple(index[inner_from:]), words.shape[inner_from:]).astype(np.uint32)
+    outer = np.ravel_multi_index(tuple(index[:inner_from]), words.shape[:inner_from]).astype(np.uint32)
     out = []
     with np.errstate(over="ignore"):
         for lane in range(LANES):
@@ -129,3 +143,89 @@ def test_large_array_path_folds_in_the_outer_index(mesh):
 
 def test_hex_digest_is_lane_order_big_endian():
     assert hex_digest(np.array([1, 0xDEADBEEF, 0, 0xFFFFFFFF], np.uint32)) == "00000001deadbeef00000000ffffffff"
+
+
+# Chunked path: {case: (host array, layout, limit, chunk_bytes)}; chunk_bytes far below the arrays' words so
+# the loop runs, with blocks that do not divide their axes (a last block overlapping the one before it).
+CHUNKED = {
+    "leading axis sharded 8 ways": (np.arange(720, dtype=np.float32).reshape(24, 10, 3) * 1.5, P(("a", "b")), 64, 300),
+    "bfloat16, 2-D sharding": (_base(jnp.bfloat16).repeat(2, 0).repeat(3, 1)[..., None].repeat(6, 2), P("a", "b"),
+                               None, 1000),
+    "bool, rows": (np.random.default_rng(3).standard_normal((40, 9)) > 0, P("a"), None, 300),
+    "uint8, prime length": (np.random.default_rng(4).integers(0, 256, 1009, dtype=np.uint8), P(), None, 400),
+    "outer index, columns": (np.random.default_rng(5).standard_normal((6, 12, 5)).astype(np.float32), P(None, "a"),
+                             64, 40),
+}
+
+
+@pytest.fixture(scope="module")
+def chunked(mesh):
+    """{case: (digest row, numpy reference row)} from ONE jitted program over every chunked case."""
+    keys = jax.random.split(jax.random.key(3), (20, 3))  # PRNG keys: digested as their uint32 key data
+    hosts = [host for host, *_ in CHUNKED.values()] + [np.asarray(jax.random.key_data(keys))]
+    placed = [jax.device_put(host, NamedSharding(mesh, layout)) for host, layout, *_ in CHUNKED.values()]
+    placed.append(jax.device_put(keys, NamedSharding(mesh, P())))
+    options = [(limit or INDEX_LIMIT, chunk_bytes) for *_, limit, chunk_bytes in CHUNKED.values()] + [(INDEX_LIMIT, 96)]
+    rows = jax.jit(lambda xs: [array_digest(x, limit, chunk) for x, (limit, chunk) in zip(xs, options)])(placed)
+    refs = [reference_digest(host, inner_from=1 if limit < INDEX_LIMIT else 0)
+            for host, (limit, _) in zip(hosts, options, strict=True)]
+    return {name: (np.asarray(row), ref) for name, row, ref in zip([*CHUNKED, "PRNG keys"], rows, refs, strict=True)}
+
+
+def test_chunked_digest_equals_numpy_reference(chunked):
+    for name, (row, ref) in chunked.items():
+        np.testing.assert_array_equal(row, ref, err_msg=name)
+
+
+def test_eight_byte_types_whole_and_chunked(mesh):
+    """float64 / int64 (with x64 enabled; two words per element, the word axis never cut): the digest
+    of the whole array and of 300-byte chunks both equal the numpy reference, sharded by columns."""
+    rng = np.random.default_rng(2)
+    hosts = [rng.standard_normal((12, 20)), rng.integers(-2**62, 2**62, (7, 12, 3))]
+    with jax.enable_x64(True):
+        placed = [jax.device_put(host, NamedSharding(mesh, P(None, "b"))) for host in hosts]
+        assert [x.dtype for x in placed] == [np.float64, np.int64]
+        rows = jax.jit(lambda xs: [array_digest(x, chunk_bytes=chunk) for x in xs for chunk in (CHUNK_BYTES, 300)])(
+            placed)
+    assert all(math.prod(cut.blocks for cut in chunk_plan(host.shape, 8, 300, 8)) > 1 for host in hosts)
+    for i, row in enumerate(rows):
+        np.testing.assert_array_equal(np.asarray(row), reference_digest(hosts[i // 2]), err_msg=f"{i}")
+
+
+def test_chunk_plans_of_the_cases_loop_and_overlap():
+    """The cases above take the loop (several steps), a sharded leading axis is walked in blocks, and
+    blocks that do not divide their axis occur (else the tail mask would be untested)."""
+    plans = {name: chunk_plan(host.shape, 4, chunk, 8)
+             for name, (host, _, _, chunk) in CHUNKED.items()}
+    assert all(math.prod(cut.blocks for cut in plan) > 1 for plan in plans.values())
+    leading = plans["leading axis sharded 8 ways"][0]
+    assert (leading.groups, leading.blocks) == (8, 3)  # 8-way shards kept, 3 blocks inside each
+    assert sum(cut.block * cut.blocks > cut.length for plan in plans.values() for cut in plan) >= 3
+
+
+def test_chunk_plan_keeps_shards_and_bounds_a_step():
+    """At the 2M configuration's largest expert kernel ([layers, experts, D, F] bf16 on 32 devices): each
+    axis keeps a multiple of 32 groups where it can (any 32-way sharding stays local) and a step reads at
+    most 64 MiB of words."""
+    shape = (18, 256, 2048, 6144)
+    plan = chunk_plan(shape, 4, CHUNK_BYTES, 32)
+    assert [cut.groups for cut in plan] == [2, 32, 32, 32]
+    assert all(cut.groups * cut.length == size and cut.block * cut.blocks >= cut.length > cut.block * (cut.blocks - 1)
+               for cut, size in zip(plan, shape, strict=True))
+    assert math.prod(cut.groups * cut.block for cut in plan) * 4 <= CHUNK_BYTES
+    assert chunk_plan((3, 5), 4, CHUNK_BYTES, 32) == (AxisCut(1, 3, 3, 1), AxisCut(1, 5, 5, 1))  # small: one step
+
+
+@pytest.mark.parametrize("layout", ["replicated", "2-D"])
+def test_digest_temporaries_are_bounded_by_a_chunk(mesh, layout):
+    """Compiled for a 64 MiB bf16 array with 8 MiB chunks: temporaries stay within the lane values of one
+    step (4 uint32 per word; per device 1/8 of it when sharded 8 ways) instead of ~8x the array, and a
+    sharded array is never gathered."""
+    chunk_bytes, array_bytes = 8 << 20, 64 << 20
+    x = jax.ShapeDtypeStruct((256, 128, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, LAYOUTS[layout]))
+    compiled = jax.jit(lambda x: array_digest(x, chunk_bytes=chunk_bytes)).lower(x).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    per_device = 8 if layout == "2-D" else 1
+    assert temp <= (4 * chunk_bytes + (1 << 20)) // per_device, temp
+    assert temp < array_bytes  # the whole-array program of before needed 8x the array (512 MiB here)
+    assert "all-gather" not in compiled.as_text()
