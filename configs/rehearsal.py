@@ -3,7 +3,8 @@
     # 2 processes x 4 CPU devices (one 8-device mesh), as the 4 hosts x 8 GPUs of the real run:
     XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu GLM52_COORDINATOR=127.0.0.1:12355 \\
         GLM52_NUM_PROCESSES=2 GLM52_PROCESS_ID=<0|1> \\
-        python -m glm52_jax.launch --config=configs/rehearsal.py --workdir=/tmp/rehearsal [--config.mesh=context=4,expert=2]
+        python -m glm52_jax.launch --config=configs/rehearsal.py --workdir=/tmp/rehearsal
+    # the other mesh rehearsed: --config.mesh=context=4,expert=2
 
 Everything configs/2m.py sets is kept (whole-prompt prefill, response_only gradients, 8 samples per request
 with an update group of G = 2, the engine probe, a per-device prefix-cache budget that keeps the prompt,

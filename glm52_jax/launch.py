@@ -142,7 +142,7 @@ def _plan(spec) -> dict:
     check_capacity(cfg, spec, scaling_source)
     s = spec.sampling
     report = plan(cfg, spec.mesh_spec(), prompt_tokens=spec.data.prompt_tokens, max_new_tokens=s.max_new_tokens,
-                  num_samples=s.num_samples, samples_per_request=s.per_request,
+                  num_samples=s.num_samples, samples_per_request=s.per_request, probe_tokens=spec.search.probe_tokens,
                   gradient_mode=spec.train.gradient_mode, lora=lora_config(spec.model),
                   dtype=spec.model.jnp_dtype(), chunk_size=s.chunk_size, prefill_mode=s.prefill_mode,
                   hbm_bytes=spec.plan.hbm_gib * 2**30, programs=spec.plan.programs, log=_log)

@@ -76,8 +76,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.parity.reference = "conventional"  # the mode the others are compared with
 
     c.plan = ml_collections.ConfigDict()  # --mode=plan: AOT compile for the mesh, no weights
-    # Programs to compile: every program of a transaction (also: forward, a reference).
-    c.plan.programs = ("prefill", "decode", "train", "new_logprobs", "inventory")
+    # Programs to compile: every program of a transaction (also: forward, a reference). The probe's two are
+    # skipped when search.probe_tokens = 0.
+    c.plan.programs = ("prefill", "decode", "train", "new_logprobs", "inventory", "probe_prefill", "probe_decode")
     c.plan.hbm_gib = 96.0  # per-device memory the programs must fit (H20: 96 GiB)
 
     c.export = ml_collections.ConfigDict()  # --mode=export: PEFT adapter + merged HF checkpoint

@@ -7,8 +7,10 @@ store, and reads the others' beats, from the launcher's main thread, which stays
 work thread computes. A peer whose counter has not moved for `timeout_s` is reported by number; a peer
 that finished publishes "done" (never stale again) and one that failed publishes "failed" (its own
 error is the cause, reported in its log), so neither a clean end nor an error elsewhere looks like a
-death. When process 0 dies the coordination service dies with it, and JAX aborts the others at once
-(its message names "the leader task"): that case needs nothing from here.
+death. A failed peer is reported after `grace_s`: when every process meets the same error (settings
+that differ, a bad file), each one's own message comes first. When process 0 dies the coordination
+service dies with it, and JAX aborts the others at once (its message names "the leader task"): that
+case needs nothing from here.
 
 The store is the one `jax.distributed.initialize` starts (`global_state.client`, JAX's own handle:
 no public accessor exists yet); any object with `key_value_set(key, value, allow_overwrite=...)` and
@@ -46,9 +48,9 @@ class PeerWatch:
     """This process's beat and its view of every other process's beat."""
 
     def __init__(self, store: Any, rank: int, count: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
+                 interval_s: float = 1.0, grace_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
         self.store, self.rank, self.count = store, rank, count
-        self.timeout_s, self.interval_s, self.clock = timeout_s, interval_s, clock
+        self.timeout_s, self.interval_s, self.grace_s, self.clock = timeout_s, interval_s, grace_s, clock
         now = clock()
         self._beats = 0
         self._last_beat = now - interval_s  # the first poll beats at once
@@ -81,7 +83,11 @@ class PeerWatch:
             for peer, (value, since) in self._seen.items():
                 current = self._read(peer)
                 if current == FAILED:
-                    return f"process {peer} stopped with an error (its log says which)"
+                    if value != FAILED:
+                        self._seen[peer] = (current, now)
+                    elif now - since >= self.grace_s:
+                        return f"process {peer} stopped with an error (its log says which)"
+                    continue
                 if current == DONE:
                     self._seen[peer] = (current, now)
                     continue

@@ -41,7 +41,7 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
          gradient_mode: str, lora, dtype, chunk_size: int, hbm_bytes: float = 96e9,
          programs: Iterable[str] = ("prefill", "decode", "train"), options=None, logprob_chunk: int = 1024,
          capacity_multiple: int = 256, donate_cache: bool = False, adamw=None, fast_compile: bool = True,
-         prefill_mode: str = "chunked", samples_per_request: int = 0,
+         prefill_mode: str = "chunked", samples_per_request: int = 0, probe_tokens: int = 0,
          log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Lowers and compiles the run's programs on `mesh_spec` with abstract weights and inputs.
 
@@ -51,6 +51,8 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
     prompt_tokens P, max_new_tokens R, num_samples G, chunk_size (the sampler's prefill chunk),
       prefill_mode (the sampler's: "chunked" or "whole", which program "prefill" compiles),
       samples_per_request S (rows the decode program samples; 0 = G, `sampling.samples_per_request`),
+      probe_tokens (`search.probe_tokens`: the engine probe's prompt, planned as probe_prefill / probe_decode;
+      0 = no probe, and those programs are skipped),
       gradient_mode (`rl.gradients.MODES`), lora (`LoRAConfig`; required for "train"), dtype
       (parameter/activation dtype).
     options: `ModelOptions` overrides (block sizes, remat); its param_dtype / lora are replaced by
@@ -75,16 +77,21 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
                              f"max_position_embeddings {model_cfg.max_position_embeddings} (apply rope scaling first)")
         # The sampler's own rule (Sampler.capacity_for): padded so the slot shards divide it.
         capacity = slot_capacity(prompt_tokens + max_new_tokens, capacity_multiple, ways(mesh, "seq"))
+        probe_capacity = (slot_capacity(probe_tokens + max_new_tokens, capacity_multiple, ways(mesh, "seq"))
+                          if probe_tokens else 0)
         graphdef, state = abstract_model(model_cfg, opts, mesh)
         setup = PlanSetup(model_cfg, opts, mesh, graphdef, state, prompt_tokens, max_new_tokens, num_samples,
                           chunk_size, prefill_mode, capacity, gradient_mode, logprob_chunk, donate_cache,
-                          samples_per_request)
+                          samples_per_request, probe_tokens, probe_capacity)
         report = static_report(setup, mesh_spec, lora, dtype)
         report["issues"] = []
         report["notes"] = list(NOTES)
         report["programs"] = {}
         for name in programs:
             program = BUILDERS[name](setup, adamw)
+            if program is None:
+                say(f"plan: {name}: not run by this configuration (search.probe_tokens = 0), skipped")
+                continue
             say(f"plan: lowering and compiling {name} ...")
             entry = {"what": program.what, "calls_per_transaction": program.calls,
                      "input_bytes_per_device": tree_bytes(program.args, per_device=True)}
@@ -97,5 +104,8 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
             say(f"plan: {name}: total {mem['total_bytes'] / 1e9:.2f} GB/device, "
                 f"compile {entry['seconds']['compile']} s")
             report["programs"][name] = entry
+    if not report["programs"]:
+        raise ValueError(f"plan: none of the programs {programs} runs in this configuration (the probe's need "
+                         "search.probe_tokens > 0)")
     assess(report, hbm_bytes)
     return report

@@ -46,6 +46,8 @@ class PlanSetup:
     logprob_chunk: int
     donate_cache: bool
     samples_per_request: int = 0  # S rows the sampler decodes per request; 0 = G (`sampling.samples_per_request`)
+    probe_tokens: int = 0  # the engine probe's prompt (`search.probe_tokens`); 0 = no probe
+    probe_capacity: int = 0  # its cache's slots (the sampler's rule, as for `capacity`)
 
     @property
     def decode_rows(self) -> int:
@@ -191,13 +193,31 @@ def inventory_program(s: PlanSetup) -> Program:
     return Program(inventory, (s.state,), {}, f"parameter inventory: on-device digests of {n} arrays", 2)
 
 
+def probe_setup(s: PlanSetup) -> PlanSetup | None:
+    """The engine probe's request (`search.probe_tokens` prompt tokens, the same R, S and prefill mode) as
+    a setup of its own: its prefill and decode are programs of their own shapes. None without a probe."""
+    if not s.probe_tokens:
+        return None
+    return dataclasses.replace(s, prompt_tokens=s.probe_tokens, capacity=s.probe_capacity, probe_tokens=0)
+
+
+def _probe(builder: Callable[[PlanSetup], Program], s: PlanSetup) -> Program | None:
+    probe = probe_setup(s)
+    if probe is None:
+        return None
+    program = builder(probe)
+    return program._replace(what=f"engine probe ({s.probe_tokens} prompt tokens): {program.what}")
+
+
 # name -> builder(setup, adamw), one per `choices.PLAN_PROGRAMS`; "forward" is a reference, not part of
-# a transaction.
-BUILDERS: dict[str, Callable[[PlanSetup, Any], Program]] = {
+# a transaction. A builder returns None for a program the run does not execute (the probe's, without one).
+BUILDERS: dict[str, Callable[[PlanSetup, Any], Program | None]] = {
     "prefill": lambda s, adamw: prefill_program(s),
     "forward": lambda s, adamw: forward_program(s),
     "decode": lambda s, adamw: decode_program(s),
     "train": train_program,
     "new_logprobs": lambda s, adamw: new_logprobs_program(s),
     "inventory": lambda s, adamw: inventory_program(s),
+    "probe_prefill": lambda s, adamw: _probe(prefill_program, s),
+    "probe_decode": lambda s, adamw: _probe(decode_program, s),
 }

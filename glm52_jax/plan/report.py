@@ -11,7 +11,7 @@ from glm52_jax.plan.hlo import COLLECTIVE_KINDS
 
 PROGRAMS = choices.PLAN_PROGRAMS  # what `plan` can compile
 # What a GRPO transaction runs; "forward" is a reference.
-TRANSACTION_PROGRAMS = ("prefill", "decode", "train", "new_logprobs", "inventory")
+TRANSACTION_PROGRAMS = ("prefill", "decode", "train", "new_logprobs", "inventory", "probe_prefill", "probe_decode")
 
 NOTES = (
     "per device throughout; memory from compiled.memory_analysis(); total = argument + output + temp - alias",

@@ -73,12 +73,13 @@ def test_a_peer_that_never_beat_counts_from_the_start():
     assert reports[0].startswith("process 2 stopped responding") and reports[1].startswith("process 2 ")
 
 
-def test_done_is_never_stale_and_failed_is_reported_at_once():
-    _, clock, watches = _three(timeout_s=10.0)
+def test_done_is_never_stale_and_failed_is_reported_after_the_grace():
+    _, clock, watches = _three(timeout_s=10.0)  # grace 5 s: this process's own error would come first
     _run(clock, watches, 2)
     watches[2].finish(ok=True)
     assert _run(clock, watches, 60, alive=(0, 1)) == {}
     watches[1].finish(ok=False)
+    assert _run(clock, watches, 5, alive=(0,)) == {}
     assert _run(clock, watches, 1, alive=(0,)) == {0: "process 1 stopped with an error (its log says which)"}
 
 

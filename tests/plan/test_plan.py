@@ -57,8 +57,10 @@ def _plan(mesh, programs, chunk_size=32, **kw):
 
 @pytest.fixture(scope="module")
 def folded():
-    # 4 samples per request (G = 2 of them train): decode runs 4 rows, train and new_logprobs G.
-    return _plan(FOLDED, ("prefill", "decode", "train", "new_logprobs", "inventory"), samples_per_request=4)
+    # 4 samples per request (G = 2 of them train): decode runs 4 rows, train and new_logprobs G. An engine
+    # probe of 40 prompt tokens: its own prefill and decode.
+    return _plan(FOLDED, ("prefill", "decode", "train", "new_logprobs", "inventory", "probe_prefill", "probe_decode"),
+                 samples_per_request=4, probe_tokens=40)
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +106,12 @@ def test_folded_memory_matches_the_abstract_state(folded):
     # The new log-probs read the weights and the batch-1 prompt cache (no G-row cache, no whole-sequence input).
     after = folded["programs"]["new_logprobs"]["memory"]
     assert 0 < after["argument_bytes"] - weights - cache["batch1_bytes_per_device"] < 1024
+    # The probe's request: 40 + 8 tokens also pad to 256 slots, so its chunk prefill and its 4-row decode take
+    # the same arguments as the exact-N request's (in "whole" mode its prefill reads [1, 40] ids instead).
+    for name in ("prefill", "decode"):
+        probe = folded["programs"][f"probe_{name}"]
+        assert probe["what"].startswith("engine probe (40 prompt tokens): sampler."), probe["what"]
+        assert probe["memory"]["argument_bytes"] == folded["programs"][name]["memory"]["argument_bytes"], name
 
 
 def test_folded_collectives_and_flops(folded):
@@ -136,7 +144,7 @@ def test_folded_collectives_and_flops(folded):
 
 def test_report_is_json_and_formats(folded):
     again = json.loads(json.dumps(folded))
-    assert again["programs"].keys() == {"prefill", "decode", "train", "new_logprobs", "inventory"}
+    assert again["programs"].keys() == set(TRANSACTION_PROGRAMS)
     text = format_plan(folded)
     for word in ("prefill", "decode", "train", "all-gather", "CP8/EP8", "fits", "G=2 S=4"):
         assert word in text
@@ -180,6 +188,8 @@ def test_mesh_needing_more_devices_is_a_clear_error():
         _plan_here(MeshSpec(context=16, expert=16, folded=True), ("prefill",))
     with pytest.raises(ValueError, match="unknown program"):
         _plan_here(MeshSpec(), ("prefil",))
+    with pytest.raises(ValueError, match=r"none of the programs \('probe_decode',\) runs in this configuration"):
+        _plan_here(MeshSpec(), ("probe_decode",))
 
 
 def test_one_builder_per_program():

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from safetensors import safe_open
+from safetensors.numpy import load_file
 
 from glm52_jax.evidence import deterministic_view, verify
 from glm52_jax.parallel.placement import replicated_live_arrays
@@ -42,8 +43,10 @@ def jit_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("jit_cache")
 
 
-def _start(workdir: Path, flags: list[str], logs: Path, cache: Path) -> list[subprocess.Popen]:
-    """The launcher as processes 0 and 1 of one group; stdout/stderr of process p in logs/p.out, logs/p.err."""
+def _start(workdir: Path, flags: list[str], logs: Path, cache: Path,
+           rank_flags: tuple[list[str], list[str]] = ([], [])) -> list[subprocess.Popen]:
+    """The launcher as processes 0 and 1 of one group (`rank_flags[p]`: process p's own extra flags);
+    stdout/stderr of process p in logs/p.out, logs/p.err."""
     port = _free_port()
     logs.mkdir(parents=True, exist_ok=True)
     procs = []
@@ -53,7 +56,8 @@ def _start(workdir: Path, flags: list[str], logs: Path, cache: Path) -> list[sub
                    XLA_FLAGS="--xla_force_host_platform_device_count=4")
         with open(logs / f"{rank}.out", "w") as out, open(logs / f"{rank}.err", "w") as err:
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "glm52_jax.launch", f"--config={REHEARSAL}", f"--workdir={workdir}", *flags],
+                [sys.executable, "-m", "glm52_jax.launch", f"--config={REHEARSAL}", f"--workdir={workdir}", *flags,
+                 *rank_flags[rank]],
                 env=env, stdout=out, stderr=err, cwd=ROOT))
     return procs
 
@@ -86,14 +90,39 @@ def _one_process(workdir: Path, **dotted) -> tuple[dict, list[str]]:
     return summary, replicated
 
 
+# What a float reduction order can change (gloo's all-reduce across processes vs XLA:CPU's in one): compared
+# within 1e-5 below, or (the LoRA after an update, and so before every later step) by shape and by what it
+# computes next. Everything else (tokens, texts, rewards, groups, every base weight's digest) is byte-identical.
+FLOAT_ARTIFACTS = ("old_logprobs.npy", "new_logprobs.npy", "samples.jsonl", "lora_before.safetensors",
+                   "lora_after.safetensors", "inventory_before_sampling.json", "inventory_after_sampling.json")
+FLOAT_TRAINING = ("loss", "grad_norm", "grads_sha256", "lora_sha256_before", "lora_sha256_after", "metrics")
+
+
+def _without_floats(view: dict) -> dict:
+    del view["topology"], view["nondeterministic"]
+    for key in FLOAT_TRAINING:
+        view["training"].pop(key)
+    view["manifest"] = [e for e in view["manifest"] if e["path"].rpartition("/")[2] not in FLOAT_ARTIFACTS]
+    return view
+
+
+def _samples(path: Path) -> tuple[list[dict], np.ndarray]:
+    """samples.jsonl without its log-probs, and the log-probs of every sample concatenated."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    logprobs = np.concatenate([np.asarray(r.pop("logprobs"), np.float64) for r in rows])
+    return rows, logprobs
+
+
 def _assert_same_receipt(one: Path, two: Path) -> None:
     """The 2-process receipt verifies and equals the 1-process one: tokens, rewards and every other
-    deterministic section; the update's floats within 1e-5; each rank's trace and completion record listed."""
+    deterministic section exactly; log-probs, loss, grad norm and KL within 1e-5; each
+    rank's trace and completion record listed."""
     assert verify(two) == []
     a, b = json.loads(one.read_text()), json.loads(two.read_text())
     assert b["topology"] == {**a["topology"], "processes": 2} and a["topology"]["processes"] == 1
     rank_paths = [f.format(r) for r in range(2) for f in RANK_FILES]
-    assert b["nondeterministic"] == [*a["nondeterministic"], *rank_paths] and b["traces"]["ranks"] == 2
+    assert a["nondeterministic"] == ["traces", *rank_paths[:2], "probe_timing"] and a["traces"]["ranks"] == 1
+    assert b["nondeterministic"] == ["traces", *rank_paths, "probe_timing"] and b["traces"]["ranks"] == 2
     assert set(rank_paths) <= {e["path"] for e in b["manifest"]}
     for rank in range(2):
         record = json.loads((two.parent / RANK_FILES[1].format(rank)).read_text())
@@ -101,16 +130,30 @@ def _assert_same_receipt(one: Path, two: Path) -> None:
         assert record["events"]["update_end"] == 1
         trace = [json.loads(line) for line in (two.parent / RANK_FILES[0].format(rank)).read_text().splitlines()]
         assert [e["event"] for e in trace][-1] == "step_done"
-    view_a, view_b = deterministic_view(a), deterministic_view(b)
-    for view in (view_a, view_b):
-        del view["topology"], view["nondeterministic"]
+    ta, tb = a["training"], b["training"]
     for key in ("loss", "grad_norm"):
-        np.testing.assert_allclose(view_b["training"].pop(key), view_a["training"].pop(key), rtol=1e-5,
-                                   atol=1e-7, err_msg=key)
+        np.testing.assert_allclose(tb[key], ta[key], rtol=1e-5, err_msg=key)
+    for key in ta["metrics"]:
+        np.testing.assert_allclose(tb["metrics"][key], ta["metrics"][key], rtol=1e-5, atol=1e-6, err_msg=key)
+    art_a, art_b = one.parent / "artifacts", two.parent / "artifacts"
     for name in ("old_logprobs.npy", "new_logprobs.npy"):
-        np.testing.assert_allclose(np.load(two.parent / "artifacts" / name), np.load(one.parent / "artifacts" / name),
-                                   rtol=1e-5, atol=1e-5, err_msg=name)
-    assert view_b == view_a
+        np.testing.assert_allclose(np.load(art_b / name), np.load(art_a / name), rtol=1e-5, atol=1e-5, err_msg=name)
+    (rows_a, lp_a), (rows_b, lp_b) = _samples(art_a / "samples.jsonl"), _samples(art_b / "samples.jsonl")
+    assert rows_b == rows_a  # every sample's prompt hash, tokens, text, reward and stop reason
+    np.testing.assert_allclose(lp_b, lp_a, rtol=1e-5, atol=1e-5)
+    # The updated LoRA is not compared element by element: AdamW's first step sets each element to about
+    # -lr * g / (|g| + eps), so an element whose gradient is near eps moves by up to lr on a last-bit gradient
+    # difference (measured: 1e-5 at lr 1e-4). The next step's log-probs and loss, compared above, depend on it.
+    lora_a, lora_b = load_file(art_a / "lora_after.safetensors"), load_file(art_b / "lora_after.safetensors")
+    assert {k: v.shape for k, v in lora_b.items()} == {k: v.shape for k, v in lora_a.items()}
+    for when in ("before", "after"):
+        inv_a, inv_b = (json.loads((art / f"inventory_{when}_sampling.json").read_text()) for art in (art_a, art_b))
+        assert {k: v["shape"] for k, v in inv_b.items()} == {k: v["shape"] for k, v in inv_a.items()}
+        base = {k for k in inv_a if "_lora/" not in k}
+        assert len(base) > 20 and {k: inv_b[k] for k in base} == {k: inv_a[k] for k in base}
+        if a["transaction"]["step"] == 1:  # fresh adapters from the seed: the same bits
+            assert inv_b == inv_a
+    assert _without_floats(deterministic_view(b)) == _without_floats(deterministic_view(a))
 
 
 def _receipt(workdir: Path, step: int) -> Path:
@@ -133,6 +176,17 @@ def test_the_rehearsal_has_the_2m_runs_shape():
         for name in f.keys():
             largest = max(largest, f.get_slice(name).get_shape() and np.prod(f.get_slice(name).get_shape()) * 4)
     assert largest < REPLICATED_LIMIT  # the audit's limit sits above every (float32) weight
+
+
+def test_processes_with_different_settings_refuse_to_start(tmp_path, jit_cache):
+    logs = tmp_path / "logs"
+    done = _finish(_start(tmp_path / "w", [], logs, jit_cache, rank_flags=([], ["--config.seed=7"])), logs,
+                   timeout=300)
+    for code, _, err in done:
+        lines = err.strip().splitlines()
+        assert code == 1 and len(lines) == 1, err[-3000:]
+        assert lines[0].startswith("config error: the processes were started with different settings: process 1 ")
+    assert not (tmp_path / "w" / "config.json").exists()  # refused before the workdir was claimed
 
 
 def test_folded_two_processes_reproduce_one_process(tmp_path, jit_cache):
