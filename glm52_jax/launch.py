@@ -43,6 +43,10 @@ flags.DEFINE_string("export_dir", None, "export mode: output directory (default 
 flags.DEFINE_integer("export_step", None, "export mode: checkpoint step (default: the latest)")
 flags.DEFINE_integer("seq_len", 256, "forward mode: tokens per sequence", lower_bound=2)
 flags.DEFINE_bool("debug", False, "show tracebacks instead of one-line errors")
+flags.DEFINE_float("audit_replicated_mib", 0.0, "debugging: at every progress line, stop with an error listing any "
+                   "live array of at least this many MiB that lives whole on every device of a multi-device mesh "
+                   "(a cache or activation replicated by accident); 0 = off. Weights replicated on purpose "
+                   "count too: set it above the largest one", lower_bound=0.0)
 
 
 _RANK_PREFIX = [""]  # "[p/P] " once a run spans several processes: whose progress line is whose
@@ -50,6 +54,13 @@ _RANK_PREFIX = [""]  # "[p/P] " once a run spans several processes: whose progre
 
 def _log(msg: str) -> None:
     print(f"{_RANK_PREFIX[0]}{msg}", file=sys.stderr, flush=True)
+    if FLAGS.audit_replicated_mib > 0:
+        from glm52_jax.parallel.placement import ReplicatedArrayError, replicated_live_arrays
+
+        found = replicated_live_arrays(int(FLAGS.audit_replicated_mib * 2**20))
+        if found:
+            raise ReplicatedArrayError(f"{len(found)} live array(s) of >= {FLAGS.audit_replicated_mib} MiB live whole "
+                                       f"on every device (after: {msg!r}): {'; '.join(found[:4])}")
 
 
 def _flag_error(error: Exception, argv: list[str]) -> str:
@@ -187,12 +198,13 @@ def _one_line(error: BaseException) -> str | None:
     """The message of an expected failure (bad settings, another run's or a broken checkpoint)."""
     from glm52_jax.checkpoint.train_state import CheckpointCorruptError, CheckpointMismatchError
     from glm52_jax.evidence.receipt import EvidenceError
+    from glm52_jax.parallel.placement import ReplicatedArrayError
     from glm52_jax.rl.processes import ProcessDivergenceError
     from glm52_jax.run_config import ConfigError
 
     kinds = {ConfigError: "config error", CheckpointMismatchError: "resume error",
              CheckpointCorruptError: "checkpoint error", EvidenceError: "evidence error",
-             ProcessDivergenceError: "process error"}
+             ProcessDivergenceError: "process error", ReplicatedArrayError: "audit error"}
     for kind, label in kinds.items():
         if isinstance(error, kind):
             return f"{label}: {error}"

@@ -71,6 +71,10 @@ def replicated_global(tree: Any) -> Any:
     return jax.tree.map(one, tree)
 
 
+class ReplicatedArrayError(RuntimeError):
+    """An audit found arrays that live whole on every device (`replicated_live_arrays`)."""
+
+
 def replicated_live_arrays(min_bytes: int) -> list[str]:
     """Every live array of at least `min_bytes` that lives whole on each of several devices, described
     (shape, dtype, sharding): an audit for arrays replicated by accident (a cache or key stack created

@@ -1,10 +1,10 @@
 """configs/rehearsal.py (the 2M run's structure at tiny size) as the real run executes it: 2 launcher
-processes x 4 CPU devices (gloo) forming one 8-device mesh, for both meshes, against the same run in
-this process on 8 devices. One run is killed mid-step 2 and resumed. While the in-process runs work,
-every progress line walks `jax.live_arrays()` for arrays that live whole on every device.
+processes x 4 CPU devices (gloo) forming one 8-device mesh, for both meshes, against the same settings
+run in this process on one device (so one reference checks both the processes and the sharding). One
+run is killed mid-step 2 and resumed. The launcher processes run with `--audit_replicated_mib`: at every
+progress line they walk `jax.live_arrays()` and stop on any array that lives whole on every device.
 
-The launcher processes share a persistent compilation cache (a directory of this module), so the
-rerun after the kill compiles nothing anew."""
+The launcher processes share a persistent compilation cache (a directory of this module)."""
 
 import json
 import os
@@ -21,7 +21,6 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from glm52_jax.evidence import deterministic_view, verify
-from glm52_jax.parallel.placement import replicated_live_arrays
 from glm52_jax.rl.run import run_online
 from tests.run_helpers import ROOT, config_spec
 
@@ -30,6 +29,7 @@ RANK_FILES = ["artifacts/traces/rank{}.jsonl", "artifacts/completion/rank{}.json
 KILL_BOUND_S = 30  # the issue's bound: the survivor stops within 30 s of its peer's death
 # Above the tiny policy's largest weight (weights are replicated on purpose at TP1), below its prompt cache.
 REPLICATED_LIMIT = 256 * 1024
+AUDIT = f"--audit_replicated_mib={REPLICATED_LIMIT / 2**20}"
 
 
 def _free_port() -> int:
@@ -56,8 +56,8 @@ def _start(workdir: Path, flags: list[str], logs: Path, cache: Path,
                    XLA_FLAGS="--xla_force_host_platform_device_count=4")
         with open(logs / f"{rank}.out", "w") as out, open(logs / f"{rank}.err", "w") as err:
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "glm52_jax.launch", f"--config={REHEARSAL}", f"--workdir={workdir}", *flags,
-                 *rank_flags[rank]],
+                [sys.executable, "-m", "glm52_jax.launch", f"--config={REHEARSAL}", f"--workdir={workdir}", AUDIT,
+                 *flags, *rank_flags[rank]],
                 env=env, stdout=out, stderr=err, cwd=ROOT))
     return procs
 
@@ -79,15 +79,13 @@ def _two_processes(workdir: Path, flags: list[str], logs: Path, cache: Path) -> 
     return summaries
 
 
-def _one_process(workdir: Path, **dotted) -> tuple[dict, list[str]]:
-    """The rehearsal in this process on 8 devices, auditing replicated live arrays at every progress line."""
-    replicated: list[str] = []
-
-    def audit(msg: str) -> None:
-        replicated.extend(a for a in replicated_live_arrays(REPLICATED_LIMIT) if a not in replicated)
-
-    summary = run_online(config_spec("rehearsal", **dotted), workdir, log=audit)
-    return summary, replicated
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory) -> Path:
+    """Two steps of the rehearsal's settings in this process on one device: its workdir."""
+    workdir = tmp_path_factory.mktemp("one_device")
+    summary = run_online(config_spec("rehearsal", **{"mesh": "", "train.steps": 2}), workdir, log=lambda msg: None)
+    assert summary["status"] == "updated" and summary["steps_run"] == 2, summary
+    return workdir
 
 
 # What a float reduction order can change (gloo's all-reduce across processes vs XLA:CPU's in one): compared
@@ -114,12 +112,13 @@ def _samples(path: Path) -> tuple[list[dict], np.ndarray]:
 
 
 def _assert_same_receipt(one: Path, two: Path) -> None:
-    """The 2-process receipt verifies and equals the 1-process one: tokens, rewards and every other
+    """The 2-process receipt verifies and equals the 1-device one: tokens, rewards and every other
     deterministic section exactly; log-probs, loss, grad norm and KL within 1e-5; each
     rank's trace and completion record listed."""
     assert verify(two) == []
     a, b = json.loads(one.read_text()), json.loads(two.read_text())
-    assert b["topology"] == {**a["topology"], "processes": 2} and a["topology"]["processes"] == 1
+    assert (a["topology"]["processes"], a["topology"]["mesh_devices"]) == (1, 1)
+    assert (b["topology"]["processes"], b["topology"]["mesh_devices"], b["topology"]["devices"]) == (2, 8, 8)
     rank_paths = [f.format(r) for r in range(2) for f in RANK_FILES]
     assert a["nondeterministic"] == ["traces", *rank_paths[:2], "probe_timing"] and a["traces"]["ranks"] == 1
     assert b["nondeterministic"] == ["traces", *rank_paths, "probe_timing"] and b["traces"]["ranks"] == 2
@@ -189,26 +188,19 @@ def test_processes_with_different_settings_refuse_to_start(tmp_path, jit_cache):
     assert not (tmp_path / "w" / "config.json").exists()  # refused before the workdir was claimed
 
 
-def test_folded_two_processes_reproduce_one_process(tmp_path, jit_cache):
-    one, replicated = _one_process(tmp_path / "one", **{"mesh": "folded=8", "train.steps": 1})
-    assert one["status"] == "updated", one
-    assert not replicated, replicated
+def test_folded_two_processes_reproduce_one_device(one_device, tmp_path, jit_cache):
     two = _two_processes(tmp_path / "two", [], tmp_path / "logs", jit_cache)
     assert two[0]["status"] == "updated"
-    _assert_same_receipt(_receipt(tmp_path / "one", 1), _receipt(tmp_path / "two", 1))
+    _assert_same_receipt(_receipt(one_device, 1), _receipt(tmp_path / "two", 1))
     err = (tmp_path / "logs" / "1.err").read_text()
     assert "[1/2] step 1 update (response_only): updated" in err  # progress lines carry the rank
 
 
-def test_killed_process_stops_the_other_and_the_rerun_reproduces_the_steps(tmp_path, jit_cache):
+def test_killed_process_stops_the_other_and_the_rerun_reproduces_the_steps(one_device, tmp_path, jit_cache):
     """context 4 x expert 2, two steps: process 1 is killed during step 2; process 0 stops within 30 s
     naming it, step 2 leaves no receipt and no checkpoint; the rerun resumes at step 2, and both steps'
-    receipts equal the 1-process run's."""
+    receipts equal the 1-device run's."""
     mesh = "context=4,expert=2"
-    one, replicated = _one_process(tmp_path / "one", **{"mesh": mesh, "train.steps": 2})
-    assert one["status"] == "updated" and one["steps_run"] == 2, one
-    assert not replicated, replicated
-
     workdir, flags = tmp_path / "two", [f"--config.mesh={mesh}", "--config.train.steps=2"]
     logs = tmp_path / "logs_killed"
     procs = _start(workdir, flags, logs, jit_cache)
@@ -231,5 +223,5 @@ def test_killed_process_stops_the_other_and_the_rerun_reproduces_the_steps(tmp_p
     rerun = _two_processes(workdir, flags, tmp_path / "logs_rerun", jit_cache)
     assert rerun[0]["status"] == "updated" and rerun[0]["steps_run"] == 1 and rerun[0]["last_step"] == 2
     for step in (1, 2):
-        _assert_same_receipt(_receipt(tmp_path / "one", step), _receipt(workdir, step))
+        _assert_same_receipt(_receipt(one_device, step), _receipt(workdir, step))
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["1", "2"]
