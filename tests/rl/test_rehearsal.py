@@ -97,7 +97,8 @@ FLOAT_TRAINING = ("loss", "grad_norm", "grads_sha256", "lora_sha256_before", "lo
 
 
 def _without_floats(view: dict) -> dict:
-    del view["topology"], view["nondeterministic"]
+    """Also without the config hashes: the 1-device reference differs in `mesh` (and maybe `train.steps`)."""
+    del view["topology"], view["nondeterministic"], view["config"]["sha256"], view["config"]["resume_sha256"]
     for key in FLOAT_TRAINING:
         view["training"].pop(key)
     view["manifest"] = [e for e in view["manifest"] if e["path"].rpartition("/")[2] not in FLOAT_ARTIFACTS]
