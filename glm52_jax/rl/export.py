@@ -58,8 +58,18 @@ def export_run(spec: RunSpec, workdir: str | os.PathLike, *, export_dir: str | o
         raise ConfigError(f"export: --export_step={step} is not among the committed steps {steps}")
     ckpts.check_meta(step, {"config_sha256": spec.resume_sha256(), "base": spec.model.base_name})
     out = Path(export_dir) if export_dir is not None else workdir / "export" / f"step_{step}"
-    _agree(_refusal(out) if processes.is_writer() else None)
+    holder, refusal = _staging_holder(out) if processes.is_writer() else (None, None)
+    try:
+        _agree(refusal)  # before any gather: a process that cannot go on stops them all
+        return _export(spec, inputs, ckpts, step, out, holder, merged)
+    finally:
+        if holder is not None:
+            shutil.rmtree(holder, ignore_errors=True)
 
+
+def _export(spec: RunSpec, inputs, ckpts, step: int, out: Path, holder: Path | None, merged: bool) -> dict:
+    """Restores the adapters on the run's mesh and writes the export (process 0, `holder` set: into
+    `holder`/export, then moved to `out`; the others only take part in the gathers)."""
     positions = "run" if spec.export.keep_rope_scaling or inputs.rope_scaling is None else "native"
     record = {"step": step, "base": spec.model.base_name, "config_sha256": spec.resume_sha256(),
               "merged_positions": positions}
@@ -70,24 +80,20 @@ def export_run(spec: RunSpec, workdir: str | os.PathLike, *, export_dir: str | o
 
             stack.enter_context(axis_rules(mesh_spec.rules()))
         model, _ = build_policy(spec, inputs, mesh, init_adapter=False)  # the checkpoint's adapters replace them
-        _restore_adapters(ckpts.directory, step, model)
-        ckpts.close()
-        if not processes.is_writer():
-            _write(model, None, spec, inputs, positions, merged)
-            _agree(None)  # every gather done: process 0 may publish
-            return {"export_dir": str(out), **record}
-        holder = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=_parent(out)))
-        try:
-            staging = holder / "export"
-            staging.mkdir()  # default permissions (mkdtemp's own directory is private)
-            record["files"] = _write(model, staging, spec, inputs, positions, merged)
-            from glm52_jax.evidence.atomic import atomic_write_json
+    _restore_adapters(ckpts.directory, step, model)
+    ckpts.close()
+    if holder is None:
+        _write(model, None, spec, inputs, positions, merged)
+        _agree(None)  # every gather done: process 0 may publish
+        return {"export_dir": str(out), **record}
+    staging = holder / "export"
+    staging.mkdir()  # default permissions (mkdtemp's own directory is private)
+    record["files"] = _write(model, staging, spec, inputs, positions, merged)
+    from glm52_jax.evidence.atomic import atomic_write_json
 
-            atomic_write_json(staging / RECORD, record)  # last: an export.json lists complete files
-            _agree(None)
-            _publish(staging, out, holder)
-        finally:
-            shutil.rmtree(holder, ignore_errors=True)
+    atomic_write_json(staging / RECORD, record)  # last: an export.json lists complete files
+    _agree(None)
+    _publish(staging, out, holder)
     return {"export_dir": str(out), **record}
 
 
@@ -136,20 +142,18 @@ def _restore_adapters(directory: Path, step: int, model) -> None:
     nnx.update(model, state)
 
 
-def _parent(out: Path) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return out.parent
-
-
-def _refusal(out: Path) -> str | None:
-    """Why the export may not go to `out` (None: it may): it may be new, empty, or a previous export,
-    which it replaces whole; anything else (a file, a directory of other files) is not ours to replace."""
-    if not os.path.lexists(out):
-        return None
-    if out.is_dir() and (not any(out.iterdir()) or (out / RECORD).is_file()):
-        return None
-    return (f"export: --export_dir={out} exists and is not an export (no {RECORD}); "
-            "choose a new or empty directory")
+def _staging_holder(out: Path) -> tuple[Path | None, str | None]:
+    """(a new private directory beside `out` to stage the export in, None), or (None, why the export may
+    not go to `out`): `out` may be new, empty, or a previous export, which it replaces whole; anything else
+    (a file, a directory of other files) is not ours to replace."""
+    if os.path.lexists(out) and not (out.is_dir() and (not any(out.iterdir()) or (out / RECORD).is_file())):
+        return None, (f"export: --export_dir={out} exists and is not an export (no {RECORD}); "
+                      "choose a new or empty directory")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent)), None
+    except OSError as e:
+        return None, f"export: cannot write beside --export_dir={out} ({e})"
 
 
 def _agree(refusal: str | None) -> None:

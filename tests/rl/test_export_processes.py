@@ -150,6 +150,7 @@ def test_merged_save_holds_one_tensor_at_a_time_on_the_host(runs):
     assert (runs / "traced_merged" / "model.safetensors").read_bytes() == ref.read_bytes()
 
 
+@pytest.mark.slow  # 31 s on a quiet 2-core machine, 81 s on a loaded one
 def test_two_launcher_processes_export_the_one_device_files(runs, one_device):
     """`--mode=export` by two launcher processes x 4 CPU devices (gloo) on the folded mesh: process 0 writes
     the one-device files, byte for byte; both report the export."""
