@@ -14,6 +14,7 @@ Saving writes per-expert names, sharded with `model.safetensors.index.json` abov
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -26,9 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from glm52_jax.checkpoint.safetensors_io import LazyTensor, SafetensorsFile, write_safetensors
 from glm52_jax.config import ModelConfig
+from glm52_jax.model.lora import KernelDelta, kernel_adapters, merged_kernel
 from glm52_jax.model.options import ModelOptions
 from glm52_jax.model.transformer import GlmMoeDsa
 from glm52_jax.parallel.rules import logical_to_spec
@@ -355,64 +359,161 @@ def _materialize(read, shape, dtype, var, mesh) -> jax.Array:
 # Writing.
 
 
-def _hf_tensors(model: GlmMoeDsa) -> list[tuple[str, LazyTensor]]:
-    """Every HF tensor of `model` as a lazily computed host array, in a stable order."""
+@functools.cache
+def _slicer(mesh: jax.sharding.Mesh, spec: tuple, n_lead: int) -> Callable:
+    """Jitted `(x, index int32[n_lead]) -> x[index]` replicated on every device of `mesh`, for an `x`
+    sharded by `spec` (one entry per axis). Written with shard_map so that each device touches only its
+    own block: the devices holding `index` contribute the slice, the others -0.0 (x + -0.0 == x for every
+    float x, so the sum over the indexed axes' shards is exact), then the slice's own sharded axes are
+    all-gathered. Memory: one slice per device, never the whole of `x` (a plain dynamic_slice of a
+    sharded axis makes XLA all-gather the operand)."""
+    def names(entry) -> tuple[str, ...]:
+        return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+    def body(block, index):
+        owner = jnp.bool_(True)
+        for d in range(n_lead):
+            n = block.shape[0]  # this device's share of axis d (the earlier indexed axes are gone)
+            first = 0
+            for name in names(spec[d]):
+                first = first * mesh.shape[name] + jax.lax.axis_index(name)
+            local = index[d] - first * n
+            owner &= (local >= 0) & (local < n)
+            block = jax.lax.dynamic_index_in_dim(block, jnp.clip(local, 0, n - 1), axis=0, keepdims=False)
+        lead_names = tuple(n for entry in spec[:n_lead] for n in names(entry))
+        if lead_names:
+            block = jax.lax.psum(jnp.where(owner, block, jnp.asarray(-0.0, block.dtype)), lead_names)
+        for d, entry in enumerate(spec[n_lead:]):
+            if names(entry):
+                block = jax.lax.all_gather(block, names(entry), axis=d, tiled=True)
+        return block
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(*spec), P()), out_specs=P(), check_vma=False))
+
+
+@jax.jit
+def _local_index(x: jax.Array, index: jax.Array) -> jax.Array:
+    for i in range(index.shape[0]):  # the positions are traced: one compile per shape, not per layer
+        x = jax.lax.dynamic_index_in_dim(x, index[i], axis=0, keepdims=False)
+    return x
+
+
+def local_slice(x, index: tuple[int, ...] = ()) -> jax.Array:
+    """`x[index]` (`index`: positions on the leading axes) whole on this process's first local device.
+
+    A sharded `x` (of one process or several) is read with one collective that moves only the slice, so
+    every process of a run must call this for the same arrays in the same order; a replicated one is
+    read from this process's own copy. Host memory stays one slice, whatever the size of `x`."""
+    pos = np.asarray(index, np.int32)
+    device = jax.local_devices()[0]
+    if not isinstance(x, jax.Array) or x.is_fully_replicated:
+        local = x.addressable_data(0) if isinstance(x, jax.Array) else jnp.asarray(x, device=device)
+        return jax.device_put(_local_index(local, pos), device)
+    sharding = x.sharding
+    if not isinstance(sharding, NamedSharding):
+        raise ValueError(f"local_slice: cannot read an array sharded by {type(sharding).__name__}")
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    pos = jax.make_array_from_callback(pos.shape, NamedSharding(sharding.mesh, P()), lambda i: pos[i])
+    return jax.device_put(_slicer(sharding.mesh, spec, len(index))(x, pos).addressable_data(0), device)
+
+
+class HostTransfers:
+    """What `host_slice` has brought to this host since `reset`: how many arrays, their bytes, the largest."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.count = self.total_bytes = self.largest_bytes = 0
+
+    def add(self, nbytes: int) -> None:
+        self.count += 1
+        self.total_bytes += nbytes
+        self.largest_bytes = max(self.largest_bytes, nbytes)
+
+
+host_transfers = HostTransfers()
+
+
+def host_slice(x, index: tuple[int, ...] = ()) -> np.ndarray:
+    """`local_slice(x, index)` as a numpy array (counted in `host_transfers`)."""
+    out = np.asarray(jax.device_get(local_slice(x, index)))
+    host_transfers.add(out.nbytes)
+    return out
+
+
+@functools.partial(jax.jit, static_argnames="kd")
+def _merged_slice(base: jax.Array, a: jax.Array, b: jax.Array, kd: KernelDelta) -> jax.Array:
+    return merged_kernel(base, kd(a, b))
+
+
+def _hf_tensors(model: GlmMoeDsa, *, merge_adapters: bool = False) -> list[tuple[str, LazyTensor]]:
+    """Every HF tensor of `model` as a lazily computed host array, in a stable order. Each is read (and with
+    `merge_adapters`, merged with its LoRA delta on device: `W + scale * A B`, as `merge_lora` computes it)
+    one tensor at a time: one layer's slice of a stacked kernel, one expert's of the routed experts."""
     cfg = model.cfg
-    _, state = nnx.split(model)
-    values = {k: v.get_value() for k, v in nnx.to_flat_state(state)}
+    values = {k: v.get_value() for k, v in nnx.to_flat_state(nnx.state(model))}
+    adapters = kernel_adapters(model) if merge_adapters else {}
     out: list[tuple[str, LazyTensor]] = []
 
     def add(name, shape, dtype, fn):
         out.append((name, LazyTensor(shape, dtype, fn)))
 
-    def host(x):
-        return np.asarray(jax.device_get(x))
+    def host(key, index=()):  # our parameter `key` at leading positions `index`, merged when asked
+        if key not in adapters:
+            return host_slice(values[key], index)
+        node, kd = adapters[key]
+        a, b = (local_slice(v.get_value(), index) for v in (node.a, getattr(node, kd.b)))
+        return host_slice(_merged_slice(local_slice(values[key], index), a, b, kd))
 
-    emb = values[("embed_tokens",)]
-    add("model.embed_tokens.weight", emb.shape, emb.dtype, lambda: host(emb))
-    add("model.norm.weight", values[("norm", "weight")].shape, values[("norm", "weight")].dtype,
-        lambda: host(values[("norm", "weight")]))
+    emb, norm = values[("embed_tokens",)], values[("norm", "weight")]
+    add("model.embed_tokens.weight", emb.shape, emb.dtype, lambda: host(("embed_tokens",)))
+    add("model.norm.weight", norm.shape, norm.dtype, lambda: host(("norm", "weight")))
     if not cfg.tie_word_embeddings:
         lm = values[("lm_head",)]
-        add("lm_head.weight", lm.shape[::-1], lm.dtype, lambda: _t(host(lm)))
+        add("lm_head.weight", lm.shape[::-1], lm.dtype, lambda: _t(host(("lm_head",))))
     shapes = expected_tensors(cfg)
     for layer, (stack, rep, slot) in sorted(_layer_map(cfg).items()):
         kind = (cfg.mlp_layer_types[layer], cfg.indexer_types[layer])
         p = f"model.layers.{layer}."
 
-        def val(rel, stack=stack, slot=slot):
-            return values[("stacks", stack, "layers", slot) + rel]
+        def key_of(rel, stack=stack, slot=slot):
+            return ("stacks", stack, "layers", slot) + rel
 
         for lp in _layer_params(cfg, *kind):
             name = p + lp.hf
             if lp.to_hf is None:
                 if lp.path[-1] != "w_uk":
                     continue
-                uk, uv = val(("self_attn", "w_uk")), val(("self_attn", "w_uv"))
+                uk, uv = key_of(("self_attn", "w_uk")), key_of(("self_attn", "w_uv"))
 
                 def kv_b(uk=uk, uv=uv, rep=rep):
-                    k, v = host(uk[rep]), host(uv[rep])  # [C,H,n], [C,H,v]
+                    k, v = host(uk, (rep,)), host(uv, (rep,))  # [C,H,n], [C,H,v]
                     both = np.concatenate([k, v], axis=-1).transpose(1, 2, 0)  # [H, n+v, C]
                     return both.reshape(-1, both.shape[-1])
-                add(name, shapes[name], uk.dtype, kv_b)
+                add(name, shapes[name], values[uk].dtype, kv_b)
                 continue
-            arr = val(lp.path)
-            add(name, shapes[name], arr.dtype, lambda arr=arr, rep=rep, f=lp.to_hf: f(host(arr[rep])))
+            key = key_of(lp.path)
+            add(name, shapes[name], values[key].dtype, lambda key=key, rep=rep, f=lp.to_hf: f(host(key, (rep,))))
         if kind[0] == "sparse":
             for rel, proj in _EXPERT_PARAMS.items():
-                arr = val(rel)
+                key = key_of(rel)
                 for x in range(cfg.n_routed_experts):
                     name = f"{p}mlp.experts.{x}.{proj}.weight"
-                    add(name, shapes[name], arr.dtype, lambda arr=arr, rep=rep, x=x: _t(host(arr[rep, x])))
+                    add(name, shapes[name], values[key].dtype, lambda key=key, rep=rep, x=x: _t(host(key, (rep, x))))
     return out
 
 
 def save_pretrained(model: GlmMoeDsa, path: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30,
-                    config: ModelConfig | None = None) -> None:
+                    config: ModelConfig | None = None, merge_adapters: bool = False, write: bool = True) -> None:
     """Writes `config.json` and safetensors (per-expert names) that HF transformers loads.
 
     `config` is what config.json records (default: the model's own); it must describe the same
     weights, e.g. the model's config with its native positions instead of a run-time YaRN override.
+    LoRA adapters are left out, or with `merge_adapters` merged into their kernels one tensor at a
+    time (no merged copy of the model, on device or host). The model may be sharded over the
+    processes of a run: each tensor is then gathered to every host in turn, so all of them call this,
+    and only the one with `write` (process 0) writes; the others just take part in the gathers.
 
     Files are written into a temporary directory beside `path` and moved in only when all are
     complete, so an interrupted save leaves any previous checkpoint intact.
@@ -420,9 +521,13 @@ def save_pretrained(model: GlmMoeDsa, path: str | os.PathLike, *, max_shard_byte
     path = os.fspath(path)
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    tensors = _hf_tensors(model, merge_adapters=merge_adapters)
+    if not write:
+        for _, t in tensors:  # the writer's order: every gather is a collective
+            t.materialize()
+        return
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
-    tensors = _hf_tensors(model)
     shards: list[list[tuple[str, LazyTensor]]] = [[]]
     size = 0
     for name, t in tensors:

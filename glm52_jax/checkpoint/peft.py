@@ -60,7 +60,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from glm52_jax.checkpoint.hf import _layer_map
+from glm52_jax.checkpoint.hf import _layer_map, host_slice
 from glm52_jax.checkpoint.safetensors_io import LazyTensor, write_safetensors
 from glm52_jax.model.lora import Adapter, KVBAdapter, LoRA
 
@@ -95,18 +95,13 @@ def _where(path) -> str:
 
 
 def _host(x) -> np.ndarray:
-    return np.asarray(jax.device_get(x))
-
-
-@jax.jit
-def _index(x: jax.Array, i: jax.Array) -> jax.Array:
-    # The layer index is traced, so there is one compile per array shape, not per layer.
-    return jax.lax.dynamic_index_in_dim(x, i, axis=0, keepdims=False)
+    """The whole of `x` on the host (gathered across processes when it is sharded over them)."""
+    return host_slice(x)
 
 
 def _at(x: jax.Array, rep: int) -> np.ndarray:
     """Layer `rep` of a stacked array, on the host (one layer at a time: memory stays bounded)."""
-    return _host(_index(x, np.int32(rep)))
+    return host_slice(x, (rep,))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -420,7 +415,8 @@ def _config(lora, modules, params, routed, base_model_name_or_path) -> dict:
     }
 
 
-def save_peft_adapter(model, path: str | os.PathLike, *, base_model_name_or_path: str = "") -> None:
+def save_peft_adapter(model, path: str | os.PathLike, *, base_model_name_or_path: str = "",
+                      write: bool = True) -> None:
     """Writes `path/adapter_model.safetensors` and `path/adapter_config.json` for `model`'s LoRA.
 
     Every adapter is checked and placed before anything is written; unknown adapters raise. Files
@@ -429,6 +425,9 @@ def save_peft_adapter(model, path: str | os.PathLike, *, base_model_name_or_path
     after both are complete, so a failed export leaves a previous export untouched. (Replacing in
     an existing directory keeps its other files; only between the two renames could a concurrent
     reader see new weights beside the old config.)
+
+    Adapters sharded over the processes of a run are gathered one layer at a time, so every process
+    calls this and only the one with `write` (process 0) writes; the others just take part in the gathers.
     """
     path = os.fspath(path)
     entries, modules, params, routed = _collect(model)
@@ -440,6 +439,10 @@ def save_peft_adapter(model, path: str | os.PathLike, *, base_model_name_or_path
     names = [n for n, _ in tensors]
     if len(set(names)) != len(names):
         raise AssertionError("save_peft_adapter: duplicate tensor names")
+    if not write:
+        for _, t in tensors:  # the writer's order: every gather is a collective
+            t.materialize()
+        return
     if os.path.lexists(path) and not os.path.isdir(path):
         raise ValueError(f"save_peft_adapter: {path} exists and is not a directory")
     parent = os.path.dirname(os.path.abspath(path))

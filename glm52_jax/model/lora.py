@@ -100,6 +100,35 @@ def _einsum32(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelDelta:
+    """How one base kernel's LoRA delta `scale * A B` is computed from its adapter's A and the B named `b`.
+
+    A: [*lead, *in, r] (`n_in` in-axes), B: [*lead, r, *out] -> delta [*lead, *in, *out] float32. Any leading
+    axes (stacked layers, experts) may be present or already indexed away, so the same arithmetic serves a
+    whole stacked kernel (`merge_lora`) and one layer's or one expert's slice of it (the streaming export).
+    Hashable: a static argument of jitted code.
+    """
+
+    b: str  # the adapter's attribute holding B ("b", "b_k", "b_v")
+    n_in: int
+    scale: float
+
+    def __call__(self, a: jax.Array, b: jax.Array) -> jax.Array:
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        lead = a.shape[: a.ndim - self.n_in - 1]
+        in_shape, out_shape = a.shape[len(lead):-1], b.shape[len(lead) + 1:]
+        a2 = a.reshape(lead + (math.prod(in_shape), a.shape[-1]))
+        b2 = b.reshape(lead + (b.shape[len(lead)], math.prod(out_shape)))
+        w = jnp.matmul(a2, b2, precision=jax.lax.Precision.HIGHEST)
+        return w.reshape(lead + in_shape + out_shape) * self.scale
+
+
+def merged_kernel(base: jax.Array, delta: jax.Array) -> jax.Array:
+    """`base + delta` in float32, stored back in the base's dtype."""
+    return (base.astype(jnp.float32) + delta).astype(base.dtype)
+
+
 class Adapter(nnx.Module):
     """LoRA on one linear map `W: [*lead, *in, *out]`: delta(x) = scale * (x A) B.
 
@@ -130,15 +159,9 @@ class Adapter(nnx.Module):
         t = _einsum32(f"{x_letters},{w_in}{_RANK_LETTER}->{mid}", x, self.a[...]).astype(x.dtype)
         return _einsum32(f"{mid},{_RANK_LETTER}{w_out}->{out}", t, self.b[...]) * self.scale
 
-    def weight_deltas(self) -> dict[str, jax.Array]:
-        """`{target: scale * A B}` shaped like the base kernel (any leading stacked axes kept), float32."""
-        a, b = self.a[...].astype(jnp.float32), self.b[...].astype(jnp.float32)
-        lead = a.shape[: a.ndim - self.n_in - 1]
-        in_shape, out_shape = a.shape[len(lead):-1], b.shape[len(lead) + 1:]
-        a2 = a.reshape(lead + (math.prod(in_shape), a.shape[-1]))
-        b2 = b.reshape(lead + (b.shape[len(lead)], math.prod(out_shape)))
-        w = jnp.matmul(a2, b2, precision=jax.lax.Precision.HIGHEST)
-        return {self.target: w.reshape(lead + in_shape + out_shape) * self.scale}
+    def kernel_deltas(self) -> dict[str, KernelDelta]:
+        """`{target: how scale * A B is computed}`; the delta is shaped like the base kernel."""
+        return {self.target: KernelDelta("b", self.n_in, self.scale)}
 
 
 class KVBAdapter(nnx.Module):
@@ -168,13 +191,9 @@ class KVBAdapter(nnx.Module):
         t = _einsum32("...hc,cz->...hz", out_lat, self.a[...]).astype(out_lat.dtype)
         return _einsum32("...hz,zhv->...hv", t, self.b_v[...]) * self.scale
 
-    def weight_deltas(self) -> dict[str, jax.Array]:
-        """`{"w_uk": scale * A B_k, "w_uv": scale * A B_v}` (leading stacked axes kept), float32."""
-        a = self.a[...].astype(jnp.float32)
-        hi = jax.lax.Precision.HIGHEST
-        uk = jnp.einsum("...cz,...zhn->...chn", a, self.b_k[...].astype(jnp.float32), precision=hi)
-        uv = jnp.einsum("...cz,...zhv->...chv", a, self.b_v[...].astype(jnp.float32), precision=hi)
-        return {"w_uk": uk * self.scale, "w_uv": uv * self.scale}
+    def kernel_deltas(self) -> dict[str, KernelDelta]:
+        """`{"w_uk": scale * A B_k, "w_uv": scale * A B_v}`, as `KernelDelta`s (A [C,r] is one in-axis)."""
+        return {"w_uk": KernelDelta("b_k", 1, self.scale), "w_uv": KernelDelta("b_v", 1, self.scale)}
 
 
 def adapter(lora: LoRAConfig | None, family: str, target: str, in_shape: tuple[int, ...],
@@ -217,25 +236,42 @@ def attach_lora(model: nnx.Module, lora: LoRAConfig, seed: int | jax.Array = 0) 
     return nnx.merge(graphdef, nnx.state(model, nnx.Param), adapters)
 
 
-def merge_lora(model: nnx.Module) -> nnx.Module:
-    """The LoRA-free model whose base kernels absorb the adapters: `W + scale * A B`.
+def kernel_adapters(model: nnx.Module) -> dict[tuple, tuple[Adapter | KVBAdapter, KernelDelta]]:
+    """Path of every base kernel an adapter targets -> (that adapter, how its delta is computed).
 
-    Used to check adapters against merged weights and to export them as plain checkpoints. An
-    unembed adapter on a tied embedding cannot be merged (it would change the input embedding too).
-    """
-    params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    Raises when an adapter's kernel is not a parameter of `model` (an unembed adapter on tied embeddings:
+    merging it would change the input embedding too)."""
+    params = {path for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    out = {}
     for path, node in nnx.iter_graph(model):
         if not isinstance(node, (Adapter, KVBAdapter)):
             continue
-        for name, delta in node.weight_deltas().items():
+        for name, kd in node.kernel_deltas().items():
             key = tuple(path[:-1]) + (name,)
             if key not in params:
                 raise ValueError(f"merge_lora: adapter {'/'.join(map(str, path))} has no base kernel {name!r} "
                                  "(an unembed adapter on tied embeddings cannot be merged)")
-            var = params[key]
-            base = var.get_value()
-            params[key] = var.replace((base.astype(jnp.float32) + delta).astype(base.dtype))
+            out[key] = (node, kd)
+    return out
+
+
+def lora_free_graphdef(model: nnx.Module):
+    """The graph of `model` without adapters (what a merged model is built on)."""
     opts = dataclasses.replace(model.opts, lora=None)
     cls, cfg = type(model), model.cfg
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: cls(cfg, opts, rngs=nnx.Rngs(0))))
-    return nnx.merge(graphdef, nnx.from_flat_state(list(params.items())))
+    return nnx.graphdef(nnx.eval_shape(lambda: cls(cfg, opts, rngs=nnx.Rngs(0))))
+
+
+def merge_lora(model: nnx.Module) -> nnx.Module:
+    """The LoRA-free model whose base kernels absorb the adapters: `W + scale * A B`.
+
+    Used to check adapters against merged weights. It holds a second copy of every adapted kernel, so
+    exports merge one tensor at a time instead (`checkpoint.hf.save_pretrained(..., merge_adapters=True)`,
+    the same arithmetic).
+    """
+    params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    for key, (node, kd) in kernel_adapters(model).items():
+        var = params[key]
+        delta = kd(node.a[...], getattr(node, kd.b)[...])
+        params[key] = var.replace(merged_kernel(var.get_value(), delta))
+    return nnx.merge(lora_free_graphdef(model), nnx.from_flat_state(list(params.items())))
