@@ -14,5 +14,12 @@ bash scripts/setup.sh --no-run || exit 1
 .venv/bin/ruff check . || exit 1
 export XLA_FLAGS="--xla_force_host_platform_device_count=8 ${XLA_FLAGS:-}"
 export JAX_PLATFORMS=cpu
-exec .venv/bin/python -X faulthandler -m pytest -q -p no:cacheprovider --durations=25 \
+# One persistent compilation cache for the run's processes (both workers and every launcher subprocess the
+# tests start compile many of the same programs); fresh per run, so nothing outlives it.
+if [ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]; then
+  JAX_COMPILATION_CACHE_DIR="$(mktemp -d "${TMPDIR:-/tmp}/glm52-jit-cache.XXXXXX")"
+  export JAX_COMPILATION_CACHE_DIR
+  trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
+fi
+.venv/bin/python -X faulthandler -m pytest -q -p no:cacheprovider --durations=25 \
   -n "${GLM52_TEST_WORKERS:-2}" --dist loadfile "$@"
