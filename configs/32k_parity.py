@@ -13,7 +13,7 @@ from glm52_jax import run_defaults
 def get_config():
     c = run_defaults.glm52_release(run_defaults.get_config())
     c.name = "gradient_parity_32k"
-    c.mesh = "folded=32"  # as configs/2m.py (parity on a mesh: see BUILD_NOTES "Known gaps")
+    c.mesh = "folded=32"  # as configs/2m.py: parity runs on the run's mesh (one process or several)
     c.data.prompt_tokens = 32_768
     c.sampling.chunk_size = 4_096
     return c

@@ -29,23 +29,17 @@ def state_arrays(state) -> dict[str, Any]:
 
     An array spread over several processes is all-gathered (a collective: every process of the run
     must call this for the same state)."""
-    import jax
     import numpy as np
     from flax import nnx
 
-    def host(value):
-        if isinstance(value, jax.Array) and not value.is_fully_addressable:
-            from jax.experimental import multihost_utils
+    from glm52_jax.parallel.placement import to_host
 
-            return multihost_utils.process_allgather(value, tiled=True)
-        return jax.device_get(value)
-
-    out = {}
+    named = {}
     for path, var in nnx.to_flat_state(state):
         value = var.get_value() if hasattr(var, "get_value") else var
         if hasattr(value, "shape"):
-            out["/".join(map(str, path))] = np.ascontiguousarray(np.asarray(host(value)))
-    return out
+            named["/".join(map(str, path))] = value
+    return {name: np.ascontiguousarray(a) for name, a in to_host(named).items()}  # one gather for all
 
 
 def state_bytes(state) -> bytes:

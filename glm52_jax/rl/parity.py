@@ -7,11 +7,13 @@ computes the GRPO loss, new log-probs and LoRA gradients of that group in every 
 `parity.modes`, without any optimizer step, and compares each with `parity.reference`
 (conventional): log-prob max |diff|, loss |diff|, and per target family and overall the cosine and
 relative L2 of the gradients. Writes `RUN/evidence/parity/receipt.json` (+ the rollout fixture as
-artifacts) and returns the comparison.
+artifacts) and returns the comparison. Runs on the run's mesh (`mesh`) in one process or several, as
+train mode does: process 0 claims the workdir and writes the receipt, every process computes.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,12 +21,11 @@ from typing import Any
 import numpy as np
 
 from glm52_jax.evidence.hashing import state_sha256
-from glm52_jax.rl import settings
+from glm52_jax.rl import processes, settings
 from glm52_jax.rl.inputs import resolve
-from glm52_jax.rl.policy import build_policy
+from glm52_jax.rl.policy import build_policy, train_mesh
 from glm52_jax.rl.search import candidate_seeds, response_batch, search_group
 from glm52_jax.run_config import ConfigError, RunSpec
-from glm52_jax.workdir import claim
 
 
 def family_vectors(grads, model) -> dict[str, np.ndarray]:
@@ -32,11 +33,12 @@ def family_vectors(grads, model) -> dict[str, np.ndarray]:
     from flax import nnx
 
     from glm52_jax.model.lora import FAMILIES, LoRA
+    from glm52_jax.parallel.placement import to_host
 
     families = {p: v.get_metadata()["family"] for p, v in nnx.to_flat_state(nnx.state(model, LoRA))}
     parts: dict[str, list[np.ndarray]] = {}
-    for path, g in nnx.to_flat_state(grads):
-        parts.setdefault(families[path], []).append(np.asarray(g.get_value(), np.float64).ravel())
+    for path, g in nnx.to_flat_state(grads):  # to_host: a gradient spread over several processes is gathered
+        parts.setdefault(families[path], []).append(np.asarray(to_host(g.get_value()), np.float64).ravel())
     vecs = {f: np.concatenate(parts[f]) for f in FAMILIES if f in parts}
     vecs["all"] = np.concatenate(list(vecs.values()))
     return vecs
@@ -55,24 +57,42 @@ def compare(a: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> dict[str, d
 
 def run_parity(spec: RunSpec, workdir: str | Path, *, log: Callable[[str], None] = print,
                command: Sequence[str] = ()) -> dict[str, Any]:
-    """Runs the parity check for `spec`; writes `workdir/evidence/parity/receipt.json`."""
-    if spec.mesh_spec().size > 1:
-        raise ConfigError(f"--config.mesh={spec.mesh}: parity runs on one device so far")
-    inputs = resolve(spec)
-    with claim(spec, workdir, command) as workdir:
-        return _parity(inputs, workdir, log)
-
-
-def _parity(inputs, workdir: Path, log) -> dict[str, Any]:
+    """Runs the parity check for `spec` (on its mesh, in one process or several); writes
+    `workdir/evidence/parity/receipt.json` (process 0)."""
     import jax
 
-    from glm52_jax.evidence import EvidenceWriter
+    from glm52_jax.parallel.rules import axis_rules
+
+    processes.check_same_settings(spec)
+    inputs = resolve(spec)
+    mesh_spec, mesh = train_mesh(spec)
+    with processes.claim_run(spec, workdir, command) as workdir, contextlib.ExitStack() as stack:
+        from glm52_jax.evidence import EvidenceError, EvidenceWriter
+
+        writer, refused = None, None
+        if processes.is_writer():
+            try:
+                writer = EvidenceWriter(workdir / "evidence" / "parity")  # refuses an existing receipt first
+            except EvidenceError as e:
+                refused = e
+        if not processes.all_ok(refused is None):  # every process stops with process 0, before model work
+            raise refused or EvidenceError(f"process 0 refused {workdir / 'evidence' / 'parity'} (its error says why)")
+        if mesh is not None:
+            stack.enter_context(axis_rules(mesh_spec.rules()))
+        model, _ = build_policy(spec, inputs, mesh)  # before the mesh is set, as train mode does
+        if mesh is not None:
+            stack.enter_context(jax.set_mesh(mesh))
+            log(f"mesh {mesh_spec.describe()} over {mesh_spec.size} {jax.devices()[0].platform} devices")
+        return _parity(inputs, model, writer, mesh_spec, log)
+
+
+def _parity(inputs, model, writer, mesh_spec, log) -> dict[str, Any]:
+    import jax
+
     from glm52_jax.rl.gradients import lora_gradients
 
     spec = inputs.spec
     modes, reference = spec.parity.modes, spec.parity.reference
-    writer = EvidenceWriter(workdir / "evidence" / "parity")  # refuses an existing receipt first
-    model, _ = build_policy(spec, inputs)
     sampler = settings.sampler(spec.sampling, model)
     seeds = candidate_seeds(jax.random.split(jax.random.key(spec.seed))[1], spec.search.max_candidates)
     candidates, accepted = search_group(inputs, spec.data.first_row, seeds, sampler, step=1,
@@ -103,6 +123,9 @@ def _parity(inputs, workdir: Path, log) -> dict[str, Any]:
             "grads_sha256": state_sha256(out.grads),
             "families": compare(vectors[mode], vectors[reference]),
         }
+    if writer is None:  # processes other than 0: computed alongside, nothing to write
+        processes.barrier("parity: receipt written")
+        return {"receipt": None, "comparison": comparison}
     for name, array in {"prompt_token_ids.npy": np.asarray(prompt, np.int32), "responses.npy": responses,
                         "response_mask.npy": mask, "old_logprobs.npy": res.logprobs}.items():
         writer.add_array(name, array, kind="fixture")
@@ -114,6 +137,8 @@ def _parity(inputs, workdir: Path, log) -> dict[str, Any]:
                     "num_samples": spec.sampling.num_samples, "group_samples": accepted.samples},
         "config": {"name": spec.name, "sha256": spec.config_sha256()},
         "model": {"checkpoint": spec.model.base_name, "dtype": spec.model.dtype},
+        "topology": {"mesh": mesh_spec.describe(), "mesh_devices": mesh_spec.size, "processes": processes.count()},
     })
+    processes.barrier("parity: receipt written")
     log(f"parity receipt: {receipt}")
     return {"receipt": str(receipt), "comparison": comparison}

@@ -76,20 +76,24 @@ def check_same_settings(spec: RunSpec) -> None:
                           f"({spec.resume_sha256()[:12]}); start every process with the same --config flags")
 
 
-def check_same_samples(step: int, samples_bytes: bytes, rewards: Any) -> None:
-    """Before the update: every process sampled the same tokens and computed the same rewards."""
+def check_same_samples(where: str, samples_bytes: bytes, rewards: Any) -> None:
+    """Every process sampled the same tokens and computed the same rewards (`where`: e.g. "step 2
+    candidate 1"). Checked after each candidate, before the rewards decide whether the search goes on
+    (processes that decided differently would meet in different collectives and wait forever), and
+    over the whole step's samples before the update."""
     import json
 
     digest = hashlib.sha256(samples_bytes + json.dumps(rewards, sort_keys=True).encode()).hexdigest()
     wrong = differing(digest)
     if wrong:
         names = ", ".join(f"process {p}" for p, _ in wrong)
-        raise ProcessDivergenceError(f"step {step}: {names} sampled other tokens or rewards than process 0 "
+        raise ProcessDivergenceError(f"{where}: {names} sampled other tokens or rewards than process 0 "
                                      f"(sha256 {wrong[0][1][:12]} vs {digest[:12] if is_writer() else '?'}); "
                                      "the processes must run the same code, data and devices kind")
 
 
-def _all_ok(ok: bool) -> bool:
+def all_ok(ok: bool) -> bool:
+    """Whether `ok` holds on every process (a collective: every process calls it at the same point)."""
     return count() == 1 or bool(_gathered(np.asarray([int(ok)], np.int32)).min())
 
 
@@ -110,7 +114,7 @@ def claim_run(spec: RunSpec, workdir: str | os.PathLike, command: Sequence[str])
                 stack.enter_context(claim(spec, workdir, command))
             except ConfigError as e:
                 error = e
-        ok = _all_ok(error is None)
+        ok = all_ok(error is None)
         if error is not None:
             raise error
         if not ok:

@@ -9,9 +9,10 @@ from typing import Any
 
 import numpy as np
 
+from glm52_jax.rl import processes
 from glm52_jax.rl.group import choose_group
 from glm52_jax.rl.inputs import RunInputs, exact_prompt
-from glm52_jax.rl.samples import REQUEST_CANDIDATE, REQUEST_PROBE, request_records
+from glm52_jax.rl.samples import REQUEST_CANDIDATE, REQUEST_PROBE, jsonl_bytes, request_records
 from glm52_jax.rl.settings import sampling_params
 
 
@@ -99,10 +100,13 @@ def search_group(inputs: RunInputs, cursor: int, seeds: list[int], sampler, *, s
         row, prompt = inputs.candidate(cursor, i)
         res = sampler.sample(prompt, sampling_params(spec.sampling, stop_ids, seeds[i]))
         texts = _texts(inputs, res)
+        records = request_records(REQUEST_CANDIDATE, i, row.index, prompt, seeds[i], res, texts)
         if samples is not None:
-            samples += request_records(REQUEST_CANDIDATE, i, row.index, prompt, seeds[i], res, texts)
+            samples += records
         scores = [compute_score(text, row.ground_truth) for text in texts]
         rewards = [float(sc["score"]) for sc in scores]
+        # Several processes: the same tokens and rewards everywhere before the rewards steer the search.
+        processes.check_same_samples(f"step {step} candidate {i}", jsonl_bytes(records), rewards)
         candidates.append({"candidate": i, "row": row.index, "ground_truth": row.ground_truth, "rewards": rewards,
                            "preds": [sc["pred"] for sc in scores], "texts": texts, "lengths": res.lengths.tolist(),
                            "finish_reasons": res.finish_reasons, "prefix_hit_tokens": res.prefix_hit_tokens,

@@ -204,7 +204,7 @@ def run_transaction(inputs: RunInputs, *, step: int, step_key, cursor: int, mode
     training: dict[str, Any] = {"status": "no_mixed_group", "optimizer_steps": 0}
     numerics: dict[str, Any] = {"finite": True}
     arrays: dict[str, Any] = {}
-    processes.check_same_samples(step, jsonl_bytes(samples), [cd["rewards"] for cd in candidates])
+    processes.check_same_samples(f"step {step}", jsonl_bytes(samples), [cd["rewards"] for cd in candidates])
     if accepted is not None:
         mode = spec.train.gradient_mode
         event("update_start", traces, step=step, mode=mode)

@@ -3,9 +3,12 @@ keeps the others' results, JSON + markdown written."""
 
 import json
 
+import pytest
+
 from benchmarks import kernels_gpu
 
 
+@pytest.mark.slow  # ~25 s: a failure path of the benchmark driver
 def test_failing_section_keeps_the_others(tmp_path, capsys):
     # model_hf needs the checkpoint model_ours writes; run alone it fails, after env has measured.
     kernels_gpu.main(["--smoke", "--sections", "env,model_hf", "--budget", "120", "--out", str(tmp_path)])

@@ -57,7 +57,8 @@ def test_forward_logits(models):
     assert _rel(pallas(ids), ref) <= RTOL
 
 
-@pytest.mark.parametrize("mode", ["conventional", "response_only"])
+# The run's mode in CI; conventional (~30 s more) is `slow`.
+@pytest.mark.parametrize("mode", [pytest.param("conventional", marks=pytest.mark.slow), "response_only"])
 def test_lora_gradients(models, batch, mode):
     reference, pallas = models
     ref = lora_gradients(reference, **batch, mode=mode)

@@ -79,6 +79,8 @@ HEARTBEAT_S = 10
 ABORT_BOUND_S = 45
 
 
+# JAX's own abort, the backstop behind the launcher's peer watch (tests/rl/test_rehearsal.py kills a process in CI).
+@pytest.mark.slow
 def test_a_dead_peer_fails_the_survivor_in_bounded_time():
     procs = _spawn("die", heartbeat_s=HEARTBEAT_S)
     try:

@@ -24,7 +24,7 @@ from glm52_jax.rl.export import export_run
 from glm52_jax.rl.inputs import resolve
 from glm52_jax.rl.policy import build_policy
 from glm52_jax.run_config import ConfigError, save_spec
-from tests.rl.test_processes import _launch_two
+from tests.process_helpers import finish, start_launchers
 from tests.run_helpers import config_spec
 
 MESHES = ("context=4,expert=2", "folded=8")
@@ -156,7 +156,9 @@ def test_two_launcher_processes_export_the_one_device_files(runs, one_device):
     the one-device files, byte for byte; both report the export."""
     out = runs / "two_process_export"
     start = time.monotonic()
-    done = _launch_two(runs / _name(TWO_PROCESS_MESH), [["--mode=export", f"--export_dir={out}"]] * 2, timeout=600)
+    args = [f"--workdir={runs / _name(TWO_PROCESS_MESH)}", "--mode=export", f"--export_dir={out}"]
+    logs = runs / "two_process_export_logs"
+    done = finish(start_launchers([args, args], logs), logs, timeout=600)
     seconds = time.monotonic() - start
     for code, stdout, err in done:
         assert code == 0, err[-3000:]

@@ -1,13 +1,14 @@
 """Parity mode: the three gradient modes on one real rollout group of the embedded policy."""
 
 import json
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from glm52_jax.evidence import verify
 from glm52_jax.rl.inputs import resolve
 from glm52_jax.rl.parity import run_parity
-from glm52_jax.run_config import ConfigError
 from tests.run_helpers import config_spec
 
 
@@ -42,7 +43,25 @@ def test_32k_parity_config():
     assert len(inputs.first_prompts[0]) == 32_768 and inputs.model_cfg.num_hidden_layers == 78
 
 
-def test_parity_refuses_a_mesh_before_writing(tmp_path):
-    with pytest.raises(ConfigError, match="parity runs on one device so far"):
-        run_parity(config_spec("tiny", mesh="folded=8"), tmp_path / "w", log=lambda msg: None)
-    assert not (tmp_path / "w").exists()
+# ~90 s; the gradient modes on both meshes vs one device run in CI: tests/parallel/test_sharded_rl.py
+@pytest.mark.slow
+def test_parity_on_a_mesh_matches_one_device(parity, tmp_path):
+    """context 4 x expert 2 on the 8 CPU devices: the same rollout fixture (tokens, rewards), and every
+    mode's loss and gradient comparison as on one device, to float32 reduction order."""
+    workdir, one = parity
+    out = run_parity(config_spec("tiny", mesh="context=4,expert=2"), tmp_path / "w", log=lambda msg: None)
+    receipt = json.loads(Path(out["receipt"]).read_text())
+    assert verify(Path(out["receipt"])) == []
+    assert receipt["topology"] == {"mesh": "DP1/TP1/CP4/EP2/PP1", "mesh_devices": 8, "processes": 1}
+    one_receipt = json.loads((workdir / "evidence" / "parity" / "receipt.json").read_text())
+    assert receipt["fixture"] == one_receipt["fixture"]
+    for name in ("responses.npy", "response_mask.npy", "prompt_token_ids.npy"):
+        np.testing.assert_array_equal(np.load(Path(out["receipt"]).parent / "artifacts" / name),
+                                      np.load(workdir / "evidence" / "parity" / "artifacts" / name), err_msg=name)
+    for mode, want in one["comparison"].items():
+        got = out["comparison"][mode]
+        np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5, err_msg=mode)
+        assert got["logprob_max_abs_diff"] <= 1e-5 and got["loss_abs_diff"] <= 1e-6, (mode, got)
+        for family, metrics in want["families"].items():
+            if metrics["cosine"] is not None:
+                assert abs(got["families"][family]["cosine"] - metrics["cosine"]) <= 1e-5, (mode, family)

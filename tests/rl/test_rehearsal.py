@@ -7,11 +7,8 @@ progress line they walk `jax.live_arrays()` and stop on any array that lives who
 The launcher processes share a persistent compilation cache (a directory of this module)."""
 
 import json
-import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,6 +19,7 @@ from safetensors.numpy import load_file
 
 from glm52_jax.evidence import deterministic_view, verify
 from glm52_jax.rl.run import run_online
+from tests.process_helpers import finish, start_launchers
 from tests.run_helpers import ROOT, config_spec
 
 REHEARSAL = str(ROOT / "configs" / "rehearsal.py")
@@ -32,45 +30,22 @@ REPLICATED_LIMIT = 256 * 1024
 AUDIT = f"--audit_replicated_mib={REPLICATED_LIMIT / 2**20}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def jit_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("jit_cache")
 
 
 def _start(workdir: Path, flags: list[str], logs: Path, cache: Path,
-           rank_flags: tuple[list[str], list[str]] = ([], [])) -> list[subprocess.Popen]:
-    """The launcher as processes 0 and 1 of one group (`rank_flags[p]`: process p's own extra flags);
-    stdout/stderr of process p in logs/p.out, logs/p.err."""
-    port = _free_port()
-    logs.mkdir(parents=True, exist_ok=True)
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, GLM52_COORDINATOR=f"127.0.0.1:{port}", GLM52_NUM_PROCESSES="2",
-                   GLM52_PROCESS_ID=str(rank), JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache),
-                   XLA_FLAGS="--xla_force_host_platform_device_count=4")
-        with open(logs / f"{rank}.out", "w") as out, open(logs / f"{rank}.err", "w") as err:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "glm52_jax.launch", f"--config={REHEARSAL}", f"--workdir={workdir}", AUDIT,
-                 *flags, *rank_flags[rank]],
-                env=env, stdout=out, stderr=err, cwd=ROOT))
-    return procs
-
-
-def _finish(procs, logs: Path, timeout: float = 900) -> list[tuple[int, str, str]]:
-    for p in procs:
-        p.wait(timeout=timeout)
-    return [(p.returncode, (logs / f"{r}.out").read_text(), (logs / f"{r}.err").read_text())
-            for r, p in enumerate(procs)]
+           rank_flags: tuple[list[str], list[str]] = ([], []), cwds: tuple[Path, Path] | None = None
+           ) -> list[subprocess.Popen]:
+    """The rehearsal as processes 0 and 1 of one group, audited (`rank_flags[p]`: process p's own flags)."""
+    common = [f"--config={REHEARSAL}", f"--workdir={workdir}", AUDIT, *flags]
+    return start_launchers([common + rank_flags[0], common + rank_flags[1]], logs, cwds=cwds,
+                           env={"JAX_COMPILATION_CACHE_DIR": str(cache)})
 
 
 def _two_processes(workdir: Path, flags: list[str], logs: Path, cache: Path) -> list[dict]:
-    done = _finish(_start(workdir, flags, logs, cache), logs)
+    done = finish(_start(workdir, flags, logs, cache), logs)
     summaries = []
     for code, out, err in done:
         assert code == 0, err[-3000:]
@@ -180,7 +155,7 @@ def test_the_rehearsal_has_the_2m_runs_shape():
 
 def test_processes_with_different_settings_refuse_to_start(tmp_path, jit_cache):
     logs = tmp_path / "logs"
-    done = _finish(_start(tmp_path / "w", [], logs, jit_cache, rank_flags=([], ["--config.seed=7"])), logs,
+    done = finish(_start(tmp_path / "w", [], logs, jit_cache, rank_flags=([], ["--config.seed=7"])), logs,
                    timeout=300)
     for code, _, err in done:
         lines = err.strip().splitlines()
@@ -195,6 +170,27 @@ def test_folded_two_processes_reproduce_one_device(one_device, tmp_path, jit_cac
     _assert_same_receipt(_receipt(one_device, 1), _receipt(tmp_path / "two", 1))
     err = (tmp_path / "logs" / "1.err").read_text()
     assert "[1/2] step 1 update (response_only): updated" in err  # progress lines carry the rank
+
+
+@pytest.mark.slow  # ~60-150 s: a third 2-process run
+def test_processes_that_score_differently_stop_before_the_search_diverges(tmp_path, jit_cache):
+    """Each process reads `rows.jsonl` from its own directory, and process 1's copy gives row 0 another
+    answer: the settings agree (same path), the tokens agree, the rewards do not. Both stop at candidate 0,
+    before the rewards steer the search (one would accept, the other sample on: different collectives)."""
+    rows = (ROOT / "glm52_jax" / "assets" / "math_problems.jsonl").read_text().splitlines()
+    first = json.loads(rows[0])
+    cwds = (tmp_path / "host0", tmp_path / "host1")
+    for cwd, answer in zip(cwds, (first["reward_model"]["ground_truth"], "-1")):
+        cwd.mkdir()
+        edited = {**first, "reward_model": {**first["reward_model"], "ground_truth": answer}}
+        (cwd / "rows.jsonl").write_text("\n".join([json.dumps(edited), *rows[1:]]) + "\n")
+    logs = tmp_path / "logs"
+    done = finish(_start(tmp_path / "w", ["--config.data.path=rows.jsonl"], logs, jit_cache, cwds=cwds), logs)
+    for code, _, err in done:
+        last = err.strip().splitlines()[-1]
+        assert code == 1 and last.startswith("process error: step 1 candidate 0: process 1 sampled other tokens or "
+                                             "rewards than process 0"), err[-3000:]
+    assert not (tmp_path / "w" / "checkpoints").exists() or not any((tmp_path / "w" / "checkpoints").iterdir())
 
 
 def test_killed_process_stops_the_other_and_the_rerun_reproduces_the_steps(one_device, tmp_path, jit_cache):
