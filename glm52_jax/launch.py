@@ -275,7 +275,13 @@ def main(argv):
         workdir_lib.release_held()
         os._exit(130)  # evidence and checkpoints are written atomically: stopping mid-step loses nothing committed
     if outcome.get("watch") is not None:
-        outcome["watch"].finish(ok="error" not in outcome)
+        watch = outcome["watch"]
+        watch.finish(ok="error" not in outcome)
+        lost = watch.settle() if "error" in outcome else None
+        if lost is not None:  # our error came from a collective with a dead peer: report the death
+            print(f"process error: {lost}; this process stops too: {kept()}", file=sys.stderr, flush=True)
+            workdir_lib.release_held()
+            os._exit(1)  # JAX's shutdown barrier would wait for the dead peer
     error = outcome.get("error")
     if error is not None:
         message = None if FLAGS.debug else _one_line(error)

@@ -100,6 +100,24 @@ class PeerWatch:
             return f"process 0 (the coordinator) no longer answers ({type(e).__name__}: {str(e).splitlines()[0]})"
         return None
 
+    def peers_finished(self) -> bool:
+        """Whether every peer has published "done" or "failed" (as of the last poll)."""
+        return all(value in (DONE, FAILED) for value, _ in self._seen.values())
+
+    def settle(self, clock_sleep: Callable[[float], None] = time.sleep) -> str | None:
+        """After this process failed: waits until every peer has finished (None: the failure is ours to
+        report) or one stops beating (its line: a collective that failed fast because that peer died,
+        e.g. gloo's closed connection, is reported as the death). Bounded by `timeout_s` + `grace_s`."""
+        deadline = self.clock() + self.timeout_s + self.grace_s
+        while self.clock() < deadline:
+            lost = self.poll()
+            if lost is not None and not lost.endswith("(its log says which)"):
+                return lost
+            if self.peers_finished():
+                return None
+            clock_sleep(min(self.interval_s, 0.5))
+        return None
+
     def finish(self, ok: bool) -> None:
         """Tells the peers this process ended (cleanly or with an error); errors of a dead store are ignored."""
         try:

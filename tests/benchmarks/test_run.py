@@ -30,6 +30,10 @@ UNJUDGED_AT_QUICK_SIZE = {
 }
 
 
+# ~140 s: the quick benchmark run (a user command, not a correctness check); CI runs the rehearsal instead.
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "run_quick.json"

@@ -101,3 +101,23 @@ def test_timeout_from_env(value, want):
 def test_bad_timeout_is_one_clear_error(value):
     with pytest.raises(ValueError, match=f"GLM52_PEER_TIMEOUT_S must be a number of seconds > 0, got '{value}'"):
         timeout_from_env({"GLM52_PEER_TIMEOUT_S": value})
+
+
+def test_settle_names_a_dead_peer_or_lets_our_error_through():
+    store, clock, watches = _three(timeout_s=10.0)
+    _run(clock, watches, 2)
+    watches[0].finish(ok=False)  # process 0 failed (e.g. a collective whose peer died)
+
+    def tick(seconds):  # process 2 keeps beating, process 1 is dead
+        clock.t += seconds
+        watches[2].poll()
+
+    report = watches[0].settle(clock_sleep=tick)
+    assert report is not None and report.startswith("process 1 stopped responding"), report
+    _, clock, watches = _three(timeout_s=10.0)
+    _run(clock, watches, 2)
+    for w in watches[1:]:
+        w.finish(ok=False)  # both peers met the same error: ours is reported, without waiting
+    start = clock.t
+    assert watches[0].settle(clock_sleep=lambda s: setattr(clock, "t", clock.t + s)) is None
+    assert clock.t - start <= 1.0

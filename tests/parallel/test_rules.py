@@ -80,6 +80,8 @@ def test_folded_context_and_experts_on_one_axis(saved):
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
 
 
+# ~40 s; the sampler's cache sharding is checked in CI by tests/parallel/test_sharded_rl.py (cache tests)
+@pytest.mark.slow
 def test_cache_sequence_axis_stays_sharded(saved):
     """Two cached chunks under context 4 x expert 2: the written cache is split along its sequence
     axis (16 of 64 slots per device; the second chunk lands on another shard) and holds exactly

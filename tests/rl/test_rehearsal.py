@@ -222,3 +222,22 @@ def test_killed_process_stops_the_other_and_the_rerun_reproduces_the_steps(one_d
     for step in (1, 2):
         _assert_same_receipt(_receipt(one_device, step), _receipt(workdir, step))
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["1", "2"]
+
+
+@pytest.mark.slow  # a fourth 2-process run (~2-3 min)
+def test_parity_mode_on_two_processes(tmp_path, jit_cache):
+    """`--mode=parity` of the rehearsal on 2 processes x 4 devices (folded=8): process 0 writes one receipt
+    that verifies and records both processes; the exact mode agrees with the reference as on one device."""
+    logs = tmp_path / "logs"
+    done = finish(_start(tmp_path / "w", ["--mode=parity"], logs, jit_cache), logs)
+    for code, _, err in done:
+        assert code == 0, err[-3000:]
+    receipt_path = tmp_path / "w" / "evidence" / "parity" / "receipt.json"
+    assert verify(receipt_path) == []
+    receipt = json.loads(receipt_path.read_text())
+    assert receipt["topology"] == {"mesh": "DP1/TP1/CP8/EP8/PP1", "mesh_devices": 8, "processes": 2}
+    cmp = receipt["parity"]["comparison"]
+    assert json.loads(done[0][1].strip().splitlines()[-1])["comparison"] == cmp
+    shared = cmp["shared_prefix"]
+    assert shared["logprob_max_abs_diff"] <= 1e-5 and shared["loss_abs_diff"] <= 1e-6, shared
+    assert all(v["rel_l2"] <= 1e-5 for v in shared["families"].values() if v["rel_l2"] is not None), shared
