@@ -89,6 +89,7 @@ def run_parity(spec: RunSpec, workdir: str | Path, *, log: Callable[[str], None]
 def _parity(inputs, model, writer, mesh_spec, log) -> dict[str, Any]:
     import jax
 
+    from glm52_jax.parallel.placement import to_host
     from glm52_jax.rl.gradients import lora_gradients
 
     spec = inputs.spec
@@ -109,16 +110,17 @@ def _parity(inputs, model, writer, mesh_spec, log) -> dict[str, Any]:
             prefix, _, _ = sampler.prefill(prompt, sampler.capacity_for(len(prompt), n))
         out = lora_gradients(model, np.asarray(prompt, np.int32), responses, mask, res.logprobs, advantages,
                              mode=mode, loss=settings.loss_settings(spec.train), prefix_cache=prefix)
-        results[mode] = out
+        # Host copies (gathered when the arrays span several processes).
+        results[mode] = (out, float(to_host(out.loss)), np.asarray(to_host(out.logprobs)))
         vectors[mode] = family_vectors(out.grads, model)
-        log(f"parity: {mode} loss {float(out.loss):.6g}")
-    ref = results[reference]
+        log(f"parity: {mode} loss {results[mode][1]:.6g}")
+    _, ref_loss, ref_logprobs = results[reference]
     comparison = {}
     for mode in modes:
-        out = results[mode]
-        logp_diff = np.abs(np.asarray(out.logprobs) - np.asarray(ref.logprobs)) * mask
+        out, loss, logprobs = results[mode]
+        logp_diff = np.abs(logprobs - ref_logprobs) * mask
         comparison[mode] = {
-            "loss": float(out.loss), "loss_abs_diff": abs(float(out.loss) - float(ref.loss)),
+            "loss": loss, "loss_abs_diff": abs(loss - ref_loss),
             "logprob_max_abs_diff": float(logp_diff.max()),
             "grads_sha256": state_sha256(out.grads),
             "families": compare(vectors[mode], vectors[reference]),
