@@ -262,14 +262,17 @@ def main(argv):
         return (workdir_lib.kept_summary(workdir) if workdir and FLAGS.mode == "train" else
                 f"--mode={FLAGS.mode} did not finish; its receipt / export.json (written last) was not committed")
 
+    def stop_for_dead_peer(lost: str) -> None:
+        print(f"process error: {lost}; this process stops too: {kept()}", file=sys.stderr, flush=True)
+        workdir_lib.release_held()
+        os._exit(1)  # the work thread may sit in a collective that never returns; JAX's exit barrier would wait
+
     try:
         while worker.is_alive():
             worker.join(0.5)
             lost = outcome["watch"].poll() if outcome.get("watch") is not None else None
             if lost is not None:
-                print(f"process error: {lost}; this process stops too: {kept()}", file=sys.stderr, flush=True)
-                workdir_lib.release_held()
-                os._exit(1)  # the work thread may sit in a collective that never returns
+                stop_for_dead_peer(lost)
     except KeyboardInterrupt:
         print(f"\ninterrupted: {kept()}", file=sys.stderr, flush=True)
         workdir_lib.release_held()
@@ -279,9 +282,7 @@ def main(argv):
         watch.finish(ok="error" not in outcome)
         lost = watch.settle() if "error" in outcome else None
         if lost is not None:  # our error came from a collective with a dead peer: report the death
-            print(f"process error: {lost}; this process stops too: {kept()}", file=sys.stderr, flush=True)
-            workdir_lib.release_held()
-            os._exit(1)  # JAX's shutdown barrier would wait for the dead peer
+            stop_for_dead_peer(lost)
     error = outcome.get("error")
     if error is not None:
         message = None if FLAGS.debug else _one_line(error)

@@ -72,8 +72,9 @@ class PeerWatch:
                 return None
             raise
 
-    def poll(self) -> str | None:
-        """Beats (at most once per `interval_s`) and returns one line naming a peer that stopped, else None."""
+    def poll(self, *, report_failed: bool = True) -> str | None:
+        """Beats (at most once per `interval_s`) and returns one line naming a peer that stopped, else None
+        (`report_failed=False`: a peer that failed with an error of its own is not reported)."""
         now = self.clock()
         try:
             if now - self._last_beat >= self.interval_s:
@@ -85,7 +86,7 @@ class PeerWatch:
                 if current == FAILED:
                     if value != FAILED:
                         self._seen[peer] = (current, now)
-                    elif now - since >= self.grace_s:
+                    elif report_failed and now - since >= self.grace_s:
                         return f"process {peer} stopped with an error (its log says which)"
                     continue
                 if current == DONE:
@@ -110,8 +111,8 @@ class PeerWatch:
         e.g. gloo's closed connection, is reported as the death). Bounded by `timeout_s` + `grace_s`."""
         deadline = self.clock() + self.timeout_s + self.grace_s
         while self.clock() < deadline:
-            lost = self.poll()
-            if lost is not None and not lost.endswith("(its log says which)"):
+            lost = self.poll(report_failed=False)
+            if lost is not None:
                 return lost
             if self.peers_finished():
                 return None

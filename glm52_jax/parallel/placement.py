@@ -8,6 +8,7 @@ only its own devices' slices (all processes must hold the same host values, e.g.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -61,11 +62,18 @@ def to_host(tree: Any) -> Any:
             from jax.experimental import multihost_utils
             out[i] = np.asarray(multihost_utils.process_allgather(x, tiled=True))
     for mesh, positions in spread.items():
-        whole = NamedSharding(mesh, PartitionSpec())
-        gathered = jax.jit(lambda *xs: xs, out_shardings=(whole,) * len(positions))(*(leaves[i] for i in positions))
+        gathered = _replicator(mesh, len(positions))(*(leaves[i] for i in positions))
         for i, x in zip(positions, gathered):
             out[i] = np.asarray(x.addressable_data(0))
     return jax.tree.unflatten(treedef, out)
+
+
+@functools.lru_cache(maxsize=64)
+def _replicator(mesh: Mesh, n: int):
+    """A jitted identity of `n` arrays that returns them replicated over `mesh` (kept, so that a later
+    gather of the same arrays reuses its program instead of compiling a fresh lambda)."""
+    whole = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(lambda *xs: xs, out_shardings=(whole,) * n)
 
 
 def replicated_global(tree: Any) -> Any:

@@ -36,9 +36,11 @@ def family_vectors(grads, model) -> dict[str, np.ndarray]:
     from glm52_jax.parallel.placement import to_host
 
     families = {p: v.get_metadata()["family"] for p, v in nnx.to_flat_state(nnx.state(model, LoRA))}
+    flat = nnx.to_flat_state(grads)
+    host = to_host([g.get_value() for _, g in flat])  # one gather when the gradients span several processes
     parts: dict[str, list[np.ndarray]] = {}
-    for path, g in nnx.to_flat_state(grads):  # to_host: a gradient spread over several processes is gathered
-        parts.setdefault(families[path], []).append(np.asarray(to_host(g.get_value()), np.float64).ravel())
+    for (path, _), g in zip(flat, host):
+        parts.setdefault(families[path], []).append(np.asarray(g, np.float64).ravel())
     vecs = {f: np.concatenate(parts[f]) for f in FAMILIES if f in parts}
     vecs["all"] = np.concatenate(list(vecs.values()))
     return vecs
