@@ -243,15 +243,97 @@ class TrainSpec(_Section):
     loss_agg_mode: str = _rules(one_of(choices.LOSS_AGG_MODES))
 
 
+# Parity acceptance: per compared mode, "MODE: METRIC OP VALUE, ...". A gradient metric may name a LoRA family
+# ("unembed.rel_l2 <= 1e-5"); without one it is the global value over every family ("all").
+PARITY_METRICS = {"cosine": ">=", "rel_l2": "<=", "logprob_abs": "<=", "loss_abs": "<="}
+_FAMILY_METRICS = ("cosine", "rel_l2")
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """One acceptance bound: `family`'s `metric` `op` `value` (family "all" = global, or "-" for non-gradient)."""
+
+    family: str
+    metric: str
+    op: str
+    value: float
+
+    def holds(self, measured: float | None) -> bool:
+        if measured is None or not math.isfinite(measured):
+            return False
+        return measured >= self.value if self.op == ">=" else measured <= self.value
+
+    def describe(self) -> str:
+        name = self.metric if self.family in ("all", "-") else f"{self.family}.{self.metric}"
+        return f"{name} {self.op} {self.value:g}"
+
+
+def _parse_bound(term: str) -> Bound | str:
+    """One "METRIC OP VALUE" term -> Bound, or why it is not one."""
+    parts = term.split()
+    if len(parts) != 3:
+        return f"{term!r} is not 'METRIC OP VALUE' (e.g. 'rel_l2 <= 1e-5')"
+    name, op, text = parts
+    family, _, metric = name.rpartition(".")
+    if metric not in PARITY_METRICS:
+        return f"{term!r}: unknown metric {metric!r}; choose from {', '.join(PARITY_METRICS)}"
+    if family and (metric not in _FAMILY_METRICS or family not in choices.LORA_FAMILIES):
+        return f"{term!r}: a family prefix must be one of {', '.join(choices.LORA_FAMILIES)} on cosine or rel_l2"
+    if op != PARITY_METRICS[metric]:
+        return f"{term!r}: {metric} takes {PARITY_METRICS[metric]}"
+    try:
+        value = float(text)
+    except ValueError:
+        return f"{term!r}: {text!r} is not a number"
+    if not math.isfinite(value) or value < 0:
+        return f"{term!r}: the bound must be a finite number >= 0"
+    return Bound(family or ("all" if metric in _FAMILY_METRICS else "-"), metric, op, value)
+
+
 @dataclasses.dataclass(frozen=True)
 class ParitySpec(_Section):
     modes: tuple[str, ...] = _rules(subset_of(choices.GRADIENT_MODES))
     reference: str = _rules()
+    acceptance: tuple[str, ...] = _rules()
+    lora_b_std: float = _rules(number(0.0))
+    outliers: int = _rules(at_least(1, "largest per-parameter differences listed"))
+    torch_reference: bool = _rules()
 
     def validate(self, prefix: str) -> None:
         why = one_of(self.modes)(self.reference)
         if why is not None:
             _fail(prefix + "reference", self.reference, why)
+        self.bounds(prefix)
+
+    def bounds(self, prefix: str = "parity.") -> dict[str, tuple[Bound, ...]]:
+        """The acceptance bounds per compared mode (every mode but the reference has one entry)."""
+        key, out, seen = prefix + "acceptance", {}, set()
+        for entry in self.acceptance:
+            mode, colon, rest = entry.partition(":")
+            mode = mode.strip()
+            if not colon or mode not in choices.GRADIENT_MODES:
+                _fail(key, self.acceptance, f"entry {entry!r} must start with 'MODE:', MODE one of "
+                      + ", ".join(choices.GRADIENT_MODES))
+            if mode in out or mode in seen:
+                _fail(key, self.acceptance, f"mode {mode!r} has two entries")
+            seen.add(mode)
+            bounds = []
+            for term in filter(None, (t.strip() for t in rest.split(","))):
+                bound = _parse_bound(term)
+                if isinstance(bound, str):
+                    _fail(key, self.acceptance, bound)
+                if any((b.family, b.metric) == (bound.family, bound.metric) for b in bounds):
+                    _fail(key, self.acceptance, f"{mode}: {bound.describe()} is bounded twice")
+                bounds.append(bound)
+            if not bounds:
+                _fail(key, self.acceptance, f"{mode}: no bounds")
+            if mode in self.modes and mode != self.reference:  # entries for modes not compared are not used
+                out[mode] = tuple(bounds)
+        missing = [m for m in self.modes if m != self.reference and m not in out]
+        if missing:
+            _fail(key, self.acceptance, f"no acceptance bounds for {', '.join(missing)} (add '{missing[0]}: "
+                  "cosine >= ..., rel_l2 <= ...')")
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,7 +38,8 @@ def test_configs_override_only_what_they_change():
     assert (m2["sampling.samples_per_request"], m2["sampling.num_samples"]) == (8, 2)  # the seed's 8 per request, G=2
     assert (base["sampling.samples_per_request"], base["model.init_adapter"]) == (0, "")
     assert sorted(k for k in m2 if m2[k] != parity[k]) == ["data.prompt_tokens", "model.rope_scaling_json", "name",
-                                                          "sampling.chunk_size", "sampling.prefill_mode",
+                                                          "parity.acceptance", "sampling.chunk_size",
+                                                          "sampling.prefill_mode",
                                                           "sampling.prefix_cache_mib_per_device",
                                                           "sampling.samples_per_request", "search.probe_tokens"]
 
@@ -83,6 +84,17 @@ def test_the_spec_and_the_launcher_start_without_jax():
     ("model.dtype", "float16", "--config.model.dtype=float16: must be one of float32, bfloat16"),
     ("model.kernels", "cuda", "--config.model.kernels=cuda: must be one of auto, reference, pallas"),
     ("parity.reference", "shared", "--config.parity.reference=shared: must be one of conventional"),
+    ("parity.lora_b_std", 0.0, "--config.parity.lora_b_std=0.0: must be > 0"),
+    ("parity.outliers", 0, "--config.parity.outliers=0: must be >= 1"),
+    ("parity.acceptance", ("shared_prefix: rel_l2 <= 1e-5",), "no acceptance bounds for response_only (add "
+                                                             "'response_only: cosine >= ..., rel_l2 <= ...')"),
+    ("parity.acceptance", ("shared: rel_l2 <= 1e-5",), "entry 'shared: rel_l2 <= 1e-5' must start with 'MODE:'"),
+    ("parity.acceptance", ("shared_prefix: rel_l2 >= 1e-5",), "'rel_l2 >= 1e-5': rel_l2 takes <="),
+    ("parity.acceptance", ("shared_prefix: l2 <= 1",), "unknown metric 'l2'; choose from cosine, rel_l2"),
+    ("parity.acceptance", ("shared_prefix: lm_head.rel_l2 <= 1",), "a family prefix must be one of attention"),
+    ("parity.acceptance", ("shared_prefix: rel_l2 <= x",), "'x' is not a number"),
+    ("parity.acceptance", ("shared_prefix: rel_l2 <= 1, rel_l2 <= 2",), "rel_l2 <= 2 is bounded twice"),
+    ("parity.acceptance", ("shared_prefix: rel_l2 <= 1", "shared_prefix: cosine >= 1"), "has two entries"),
     ("plan.programs", ("prefill", "sample"), "unknown ['sample']"),
     ("plan.hbm_gib", 0.0, "--config.plan.hbm_gib=0.0: must be > 0"),
     ("data.prompt_tokens", 1, "--config.data.prompt_tokens=1: must be >= 2"),

@@ -6,6 +6,10 @@ Layout::
       artifacts/...     files added through EvidenceWriter, each listed in the manifest
       receipt.json      written last, atomically, never overwritten
 
+A receipt may also carry its own name (`EvidenceWriter(run_dir, receipt_name="gradient_parity_32k.json")`,
+as the seed names its receipts); its artifacts then live in `run_dir/gradient_parity_32k/` and the
+manifest paths start with that directory, so several named receipts can share one `evidence/` directory.
+
 The receipt is a JSON object::
 
     {"schema": "glm52-jax/evidence", "version": 1, "created_utc": ..., "provenance": {...},
@@ -34,7 +38,8 @@ from glm52_jax.evidence.hashing import sha256_file
 from glm52_jax.evidence.provenance import canonical_sha256, check_json, collect_provenance
 
 __all__ = ["ARTIFACTS_DIR", "NONDETERMINISTIC_KEY", "RECEIPT_NAME", "RESERVED_KEYS", "SCHEMA", "VERSION",
-           "EvidenceError", "EvidenceWriter", "deterministic_view", "load_receipt", "receipt_file", "verify"]
+           "EvidenceError", "EvidenceWriter", "artifacts_dir_name", "deterministic_view", "load_receipt",
+           "receipt_file", "verify"]
 
 SCHEMA = "glm52-jax/evidence"
 VERSION = 1
@@ -68,6 +73,16 @@ def _name_problem(name: Any) -> str | None:
     return None
 
 
+def artifacts_dir_name(receipt_name: str) -> str:
+    """The artifacts directory beside a receipt: `artifacts` for receipt.json, else the receipt's stem."""
+    if receipt_name == RECEIPT_NAME:
+        return ARTIFACTS_DIR
+    plain = "/" not in receipt_name and _name_problem(receipt_name) is None
+    if not (plain and receipt_name.endswith(".json") and len(receipt_name) > 5):
+        raise EvidenceError(f"receipt name {receipt_name!r} must be a plain file name ending in .json")
+    return receipt_name[:-5]
+
+
 def _read_chunks(path: Path) -> Iterator[bytes]:
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
@@ -82,10 +97,12 @@ class EvidenceWriter:
     is captured at construction, i.e. for the code as it was when the transaction started.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, *, provenance: Mapping[str, Any] | None = None):
+    def __init__(self, run_dir: str | os.PathLike, *, provenance: Mapping[str, Any] | None = None,
+                 receipt_name: str = RECEIPT_NAME):
         self.run_dir = Path(run_dir)
-        self.receipt_path = self.run_dir / RECEIPT_NAME
-        self.artifacts_dir = self.run_dir / ARTIFACTS_DIR
+        self.receipt_path = self.run_dir / receipt_name
+        self._artifacts = artifacts_dir_name(receipt_name)
+        self.artifacts_dir = self.run_dir / self._artifacts
         if self.receipt_path.exists():
             raise FileExistsError(f"{self.receipt_path} already exists; refusing to overwrite committed evidence "
                                   "(use a new run directory)")
@@ -106,7 +123,7 @@ class EvidenceWriter:
         return [dict(self._entries[p]) for p in sorted(self._entries)]
 
     def add_bytes(self, name: str, data: bytes, kind: str) -> dict[str, Any]:
-        """Write `data` to `artifacts/<name>`; return its manifest entry."""
+        """Write `data` to `<artifacts dir>/<name>`; return its manifest entry."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError(f"artifact {name!r}: data is {type(data).__name__}, expected bytes")
         return self._add(name, kind, [bytes(data)])
@@ -154,7 +171,7 @@ class EvidenceWriter:
             raise EvidenceError(f"artifact name {name!r} {problem}")
         if not isinstance(kind, str) or not kind:
             raise EvidenceError(f"artifact {name!r}: kind must be a non-empty string")
-        rel = f"{ARTIFACTS_DIR}/{name}"
+        rel = f"{self._artifacts}/{name}"
         if rel in self._entries:
             raise EvidenceError(f"artifact {name!r} was already added")
         for other in self._entries:  # a file cannot also be a directory of another artifact
@@ -279,6 +296,7 @@ def verify(receipt_path: str | os.PathLike) -> list[str]:
     receipt_path = receipt_file(receipt_path)
     try:
         receipt = load_receipt(receipt_path)
+        artifacts = artifacts_dir_name(receipt_path.name)
     except EvidenceError as e:
         return [str(e)]
     schema, version = receipt.get("schema"), receipt.get("version")
@@ -312,7 +330,7 @@ def verify(receipt_path: str | os.PathLike) -> list[str]:
     run_dir = receipt_path.parent
     listed: set[str] = set()
     for i, entry in enumerate(manifest):
-        problem = _entry_problem(entry)
+        problem = _entry_problem(entry, artifacts)
         if problem:
             failures.append(f"manifest entry {i} is malformed: {problem}")
             continue
@@ -321,14 +339,15 @@ def verify(receipt_path: str | os.PathLike) -> list[str]:
             failures.append(f"manifest lists {path} twice")
             continue
         listed.add(path)
-        failure = _check_artifact(run_dir, entry)
+        failure = _check_artifact(run_dir, entry, artifacts)
         if failure:
             failures.append(failure)
-    failures += [f"unexpected file not in the manifest: {p}" for p in _files_under(run_dir) if p not in listed]
+    failures += [f"unexpected file not in the manifest: {p}" for p in _files_under(run_dir, artifacts)
+                 if p not in listed]
     return failures
 
 
-def _entry_problem(entry: Any) -> str | None:
+def _entry_problem(entry: Any, artifacts: str) -> str | None:
     if not isinstance(entry, dict) or set(entry) != _ENTRY_KEYS:
         return f"expected an object with keys {sorted(_ENTRY_KEYS)}"
     path = entry["path"]
@@ -337,8 +356,8 @@ def _entry_problem(entry: Any) -> str | None:
     problem = _name_problem(path)
     if problem:
         return f"path {path!r} {problem}"
-    if not path.startswith(ARTIFACTS_DIR + "/"):
-        return f"path {path!r} is not under {ARTIFACTS_DIR}/"
+    if not path.startswith(artifacts + "/"):
+        return f"path {path!r} is not under {artifacts}/"
     if type(entry["bytes"]) is not int or entry["bytes"] < 0:
         return f"{path}: 'bytes' is not a non-negative integer"
     sha = entry["sha256"]
@@ -349,7 +368,7 @@ def _entry_problem(entry: Any) -> str | None:
     return None
 
 
-def _check_artifact(run_dir: Path, entry: Mapping[str, Any]) -> str | None:
+def _check_artifact(run_dir: Path, entry: Mapping[str, Any], artifacts: str) -> str | None:
     path = entry["path"]
     file = run_dir / PurePosixPath(path)
     if file.is_symlink():
@@ -359,8 +378,8 @@ def _check_artifact(run_dir: Path, entry: Mapping[str, Any]) -> str | None:
     if not file.is_file():
         return f"artifact {path} is not a regular file"
     # A symlinked parent directory could point the path outside the run directory.
-    if not file.resolve().is_relative_to((run_dir / ARTIFACTS_DIR).resolve()):
-        return f"artifact {path} resolves outside {ARTIFACTS_DIR}/ (symlinked directory)"
+    if not file.resolve().is_relative_to((run_dir / artifacts).resolve()):
+        return f"artifact {path} resolves outside {artifacts}/ (symlinked directory)"
     size = file.stat().st_size
     if size != entry["bytes"]:
         return f"artifact size mismatch: {path} has {size} bytes, manifest says {entry['bytes']}"
@@ -370,9 +389,9 @@ def _check_artifact(run_dir: Path, entry: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _files_under(run_dir: Path) -> list[str]:
-    """Run-dir-relative POSIX paths of everything under artifacts/ that is not a plain directory."""
-    root = run_dir / ARTIFACTS_DIR
+def _files_under(run_dir: Path, artifacts: str) -> list[str]:
+    """Run-dir-relative POSIX paths of everything under the artifacts dir that is not a plain directory."""
+    root = run_dir / artifacts
     found = []
     for dirpath, dirnames, filenames in os.walk(root):  # does not follow symlinked directories
         rel = Path(dirpath).relative_to(run_dir)

@@ -349,3 +349,27 @@ def test_a_file_written_by_another_process_is_listed_with_its_hash(tmp_path):
     assert verify(receipt) == []
     other.write_bytes(b"edited\n")
     assert any("traces/rank1.jsonl" in failure for failure in verify(receipt))
+
+
+def test_named_receipts_share_a_directory_and_verify_apart(tmp_path):
+    """Two named receipts (as the seed names them) in one evidence/ directory: each lists only its own
+    artifacts directory, a stray in one does not fail the other, and a bad name is refused."""
+    evidence = tmp_path / "evidence"
+    paths = {}
+    for name in ("gradient_parity_32k.json", "online_grpo_2m.json"):
+        w = EvidenceWriter(evidence, provenance=PROVENANCE, receipt_name=name)
+        w.add_json("case/values.json", {"name": name}, "values")
+        paths[name] = w.commit({"case": {"name": name}})
+    assert sorted(p.name for p in evidence.iterdir()) == ["gradient_parity_32k", "gradient_parity_32k.json",
+                                                          "online_grpo_2m", "online_grpo_2m.json"]
+    receipt = load_receipt(paths["gradient_parity_32k.json"])
+    assert [e["path"] for e in receipt["manifest"]] == ["gradient_parity_32k/case/values.json"]
+    assert all(verify(p) == [] for p in paths.values())
+    (evidence / "online_grpo_2m" / "stray.txt").write_text("x")
+    assert verify(paths["online_grpo_2m.json"]) == ["unexpected file not in the manifest: online_grpo_2m/stray.txt"]
+    assert verify(paths["gradient_parity_32k.json"]) == []
+    with pytest.raises(FileExistsError):
+        EvidenceWriter(evidence, provenance=PROVENANCE, receipt_name="gradient_parity_32k.json")
+    for bad in ("receipt", "a/b.json", ".json", "../x.json"):
+        with pytest.raises(EvidenceError, match="must be a plain file name ending in .json"):
+            EvidenceWriter(evidence, provenance=PROVENANCE, receipt_name=bad)

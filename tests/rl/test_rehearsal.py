@@ -164,6 +164,9 @@ def test_processes_with_different_settings_refuse_to_start(tmp_path, jit_cache):
     assert not (tmp_path / "w" / "config.json").exists()  # refused before the workdir was claimed
 
 
+# ~200 s, slow for CI's budget: the killed-process test below runs 2 launcher processes on context 4 x expert 2
+# against the same one-device reference in CI.
+@pytest.mark.slow
 def test_folded_two_processes_reproduce_one_device(one_device, tmp_path, jit_cache):
     two = _two_processes(tmp_path / "two", [], tmp_path / "logs", jit_cache)
     assert two[0]["status"] == "updated"
