@@ -268,7 +268,7 @@ class Bound:
         return f"{name} {self.op} {self.value:g}"
 
 
-def _parse_bound(term: str) -> Bound | str:
+def parse_bound(term: str) -> Bound | str:
     """One "METRIC OP VALUE" term -> Bound, or why it is not one."""
     parts = term.split()
     if len(parts) != 3:
@@ -319,7 +319,7 @@ class ParitySpec(_Section):
             seen.add(mode)
             bounds = []
             for term in filter(None, (t.strip() for t in rest.split(","))):
-                bound = _parse_bound(term)
+                bound = parse_bound(term)
                 if isinstance(bound, str):
                     _fail(key, self.acceptance, bound)
                 if any((b.family, b.metric) == (bound.family, bound.metric) for b in bounds):

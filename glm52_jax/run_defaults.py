@@ -76,11 +76,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.parity.reference = "conventional"  # the mode the others are compared with
     # Pass/fail per compared mode and case: "MODE: METRIC OP VALUE, ..." with metrics cosine (>=), rel_l2 (<=) of the
     # LoRA gradients (global, or one family as "unembed.rel_l2"), logprob_abs (<=, max over response tokens) and
-    # loss_abs (<=). Defaults for float32: shared_prefix is exact; response_only drops the gradient through the prompt
-    # (the seed measured 1.2% relative L2 at 32K), but the unembed gradient does not flow there.
+    # loss_abs (<=). Defaults for the float32 tiny policy: shared_prefix is exact. response_only drops the gradient
+    # through the prompt: the seed measured 1.2% relative L2 at 32K (configs/32k_parity.py bounds it globally), but at
+    # 256 prompt tokens the prompt path carries half the gradient (measured 0.51-0.53), so only the unembed family,
+    # which that path does not reach, and the forward values are bounded.
     c.parity.acceptance = (
         "shared_prefix: cosine >= 0.99999, rel_l2 <= 1e-5, logprob_abs <= 1e-5, loss_abs <= 1e-6",
-        "response_only: cosine >= 0.999, rel_l2 <= 0.05, logprob_abs <= 1e-5, loss_abs <= 1e-5, unembed.rel_l2 <= 1e-5",
+        "response_only: unembed.cosine >= 0.99999, unembed.rel_l2 <= 1e-5, logprob_abs <= 1e-5, loss_abs <= 1e-5",
     )
     # Parity starts from a nonzero LoRA (a fresh one has B = 0, so every A-gradient would be zero): the adapter of
     # model.init_adapter when set, else fresh A plus B drawn N(0, lora_b_std^2) from the run's seed.

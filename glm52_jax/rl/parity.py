@@ -1,71 +1,60 @@
-"""Gradient parity of the three gradient modes on one real rollout (the seed's 32K parity check).
+"""Gradient parity of the gradient modes on one real rollout (the seed's 32K parity check).
 
     python -m glm52_jax.launch --mode=parity --config=configs/32k_parity.py --workdir=RUN
 
-Samples like a transaction (same candidate search, same seeds) until a mixed-reward group, then
-computes the GRPO loss, new log-probs and LoRA gradients of that group in every mode of
-`parity.modes`, without any optimizer step, and compares each with `parity.reference`
-(conventional): log-prob max |diff|, loss |diff|, and per target family and overall the cosine and
-relative L2 of the gradients. Writes `RUN/evidence/parity/receipt.json` (+ the rollout fixture as
-artifacts) and returns the comparison. Runs on the run's mesh (`mesh`) in one process or several, as
-train mode does: process 0 claims the workdir and writes the receipt, every process computes.
+Samples like a transaction (same candidate search, same seeds) until a mixed-reward group, from a
+nonzero LoRA state (parity_cases), then in each case (`ratio1`, `active_clip`) computes the GRPO
+loss, new log-probs and LoRA gradients of that group in every mode of `parity.modes` (one backward
+per sample, never an optimizer step: the LoRA and AdamW state are hashed before and after and must
+not change), exports every gradient shard as it lives on each device (parity_shards), and compares
+each mode with `parity.reference` (conventional) by the seed's metrics (parity_metrics). Each pair
+is decided `passed` / `failed` against `parity.acceptance`. With `parity.torch_reference` the same
+fixture also runs in PyTorch (HF + PEFT, glm52_jax.torch_bridge) and is compared the same way.
+
+Writes `RUN/evidence/gradient_parity_<name>.json` (name: the config's, without a leading
+"gradient_parity_") with its artifacts in `RUN/evidence/gradient_parity_<name>/`: the fixture, each
+case's old log-probs, each mode's new log-probs and shard files; one manifest covers both cases.
+Runs on the run's mesh in one process or several, as train mode does: process 0 claims the workdir
+and writes the receipt, every process computes and writes its own devices' shards.
 """
 
 from __future__ import annotations
 
 import contextlib
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from glm52_jax.evidence.hashing import state_sha256
-from glm52_jax.rl import processes, settings
+from glm52_jax.rl import parity_cases, parity_metrics, processes, settings
 from glm52_jax.rl.inputs import resolve
 from glm52_jax.rl.policy import build_policy, train_mesh
 from glm52_jax.rl.search import candidate_seeds, response_batch, search_group
-from glm52_jax.run_config import ConfigError, RunSpec
+from glm52_jax.run_config import ConfigError, RunSpec, parse_bound
+
+# The PyTorch bridge's bounds (float32, same fixture): the issue's contract, not a setting.
+TORCH_BOUNDS = ("cosine >= 0.99999", "rel_l2 <= 1e-4", "logprob_abs <= 1e-5", "loss_abs <= 1e-5")
+TORCH_MODES = ("conventional", "response_only")
 
 
-def family_vectors(grads, model) -> dict[str, np.ndarray]:
-    """Gradient leaves flattened (float64) per LoRA family, plus "all" over every family present."""
-    from flax import nnx
-
-    from glm52_jax.model.lora import FAMILIES, LoRA
-    from glm52_jax.parallel.placement import to_host
-
-    families = {p: v.get_metadata()["family"] for p, v in nnx.to_flat_state(nnx.state(model, LoRA))}
-    flat = nnx.to_flat_state(grads)
-    host = to_host([g.get_value() for _, g in flat])  # one gather when the gradients span several processes
-    parts: dict[str, list[np.ndarray]] = {}
-    for (path, _), g in zip(flat, host):
-        parts.setdefault(families[path], []).append(np.asarray(g, np.float64).ravel())
-    vecs = {f: np.concatenate(parts[f]) for f in FAMILIES if f in parts}
-    vecs["all"] = np.concatenate(list(vecs.values()))
-    return vecs
-
-
-def compare(a: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> dict[str, dict[str, float]]:
-    """Per family: cosine and relative L2 (|a - ref| / |ref|) of `a` against `ref`."""
-    out = {}
-    for f, r in ref.items():
-        na, nr = np.linalg.norm(a[f]), np.linalg.norm(r)
-        # None where a norm is zero (undefined; receipts hold no NaN).
-        out[f] = {"cosine": float(a[f] @ r / (na * nr)) if na > 0 and nr > 0 else None,
-                  "rel_l2": float(np.linalg.norm(a[f] - r) / nr) if nr > 0 else None}
-    return out
+def receipt_name(spec: RunSpec) -> str:
+    """`gradient_parity_<name>.json`, as the seed names its receipt (configs/32k_parity.py -> ..._32k.json)."""
+    return f"gradient_parity_{spec.name.removeprefix('gradient_parity_')}.json"
 
 
 def run_parity(spec: RunSpec, workdir: str | Path, *, log: Callable[[str], None] = print,
                command: Sequence[str] = ()) -> dict[str, Any]:
-    """Runs the parity check for `spec` (on its mesh, in one process or several); writes
-    `workdir/evidence/parity/receipt.json` (process 0)."""
+    """Runs the parity check for `spec` (on its mesh, in one process or several); process 0 writes the receipt."""
     import jax
 
     from glm52_jax.parallel.rules import axis_rules
 
+    spec.parity.bounds()  # validated with the spec; parsed again here so a bad bound stops before any work
     processes.check_same_settings(spec)
+    if spec.parity.torch_reference:
+        _check_torch(spec)
     inputs = resolve(spec)
     mesh_spec, mesh = train_mesh(spec)
     with processes.claim_run(spec, workdir, command) as workdir, contextlib.ExitStack() as stack:
@@ -73,29 +62,86 @@ def run_parity(spec: RunSpec, workdir: str | Path, *, log: Callable[[str], None]
 
         writer, refused = None, None
         if processes.is_writer():
-            try:
-                writer = EvidenceWriter(workdir / "evidence" / "parity")  # refuses an existing receipt first
-            except EvidenceError as e:
-                refused = e
+            try:  # refuses an existing receipt or leftover artifacts first
+                writer = EvidenceWriter(workdir / "evidence", receipt_name=receipt_name(spec))
+            except (EvidenceError, FileExistsError) as e:
+                refused = EvidenceError(str(e))
         if not processes.all_ok(refused is None):  # every process stops with process 0, before model work
-            raise refused or EvidenceError(f"process 0 refused {workdir / 'evidence' / 'parity'} (its error says why)")
+            raise refused or EvidenceError(f"process 0 refused {workdir / 'evidence'} (its error says why)")
         if mesh is not None:
             stack.enter_context(axis_rules(mesh_spec.rules()))
-        model, _ = build_policy(spec, inputs, mesh)  # before the mesh is set, as train mode does
+        model, optimizer = build_policy(spec, inputs, mesh)  # before the mesh is set, as train mode does
         if mesh is not None:
             stack.enter_context(jax.set_mesh(mesh))
             log(f"mesh {mesh_spec.describe()} over {mesh_spec.size} {jax.devices()[0].platform} devices")
-        return _parity(inputs, model, writer, mesh_spec, log)
+        artifacts = workdir / "evidence" / receipt_name(spec).removesuffix(".json")
+        return _parity(inputs, model, optimizer, writer, artifacts, mesh_spec, log)
 
 
-def _parity(inputs, model, writer, mesh_spec, log) -> dict[str, Any]:
+def _check_torch(spec: RunSpec) -> None:
+    try:
+        import peft  # noqa: F401
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"--config.parity.torch_reference=True needs the `parity` extra (torch, transformers, "
+                          f"peft): {e}; install with `pip install -e .[parity]`") from None
+    if processes.count() > 1:
+        raise ConfigError("--config.parity.torch_reference=True runs in one process (the torch model is built on "
+                          "its host); run parity without it on several processes")
+
+
+def _policy_state(spec: RunSpec, model) -> dict[str, Any]:
+    """Makes the LoRA nonzero (unless an adapter was loaded) and says how."""
+    if spec.model.init_adapter:
+        return {"source": "model.init_adapter", "path": spec.model.init_adapter}
+    count = parity_cases.seed_lora_b(model, spec.parity.lora_b_std, spec.seed)
+    return {"source": "seeded", "b_std": spec.parity.lora_b_std, "seed": spec.seed, "b_arrays": count,
+            "a": "fresh adapter init (uniform +-1/sqrt(fan_in), seed)"}
+
+
+def _state_hashes(model, optimizer) -> dict[str, str]:
     import jax
+    from flax import nnx
 
+    from glm52_jax.evidence.hashing import sha256_bytes, state_sha256
+    from glm52_jax.model.lora import LoRA
     from glm52_jax.parallel.placement import to_host
-    from glm52_jax.rl.gradients import lora_gradients
+
+    moments = b"".join(np.ascontiguousarray(a).tobytes() for a in to_host(jax.tree.leaves(optimizer.opt_state)))
+    return {"lora_sha256": state_sha256(nnx.state(model, LoRA)), "optimizer_sha256": sha256_bytes(moments),
+            "optimizer_step": optimizer.step}
+
+
+def _families(model) -> dict[str, str]:
+    from flax import nnx
+
+    from glm52_jax.model.lora import LoRA
+
+    return {"/".join(map(str, p)): v.get_metadata()["family"] for p, v in nnx.to_flat_state(nnx.state(model, LoRA))}
+
+
+def _sha(host: dict[str, np.ndarray]) -> str:
+    from safetensors.numpy import save
+
+    from glm52_jax.evidence.hashing import sha256_bytes
+
+    return sha256_bytes(save(dict(sorted(host.items()))))
+
+
+def _parity(inputs, model, optimizer, writer, artifacts: Path, mesh_spec, log) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from glm52_jax.evidence.hashing import state_arrays
+    from glm52_jax.parallel.placement import to_host
+    from glm52_jax.rl.gradients import cached_response_logprobs_jit, lora_gradients, prefix_for_response
 
     spec = inputs.spec
-    modes, reference = spec.parity.modes, spec.parity.reference
+    modes, bounds = spec.parity.modes, spec.parity.bounds()
+    policy = _policy_state(spec, model)
+    before = _state_hashes(model, optimizer)
     sampler = settings.sampler(spec.sampling, model)
     seeds = candidate_seeds(jax.random.split(jax.random.key(spec.seed))[1], spec.search.max_candidates)
     candidates, accepted = search_group(inputs, spec.data.first_row, seeds, sampler, step=1,
@@ -103,46 +149,152 @@ def _parity(inputs, model, writer, mesh_spec, log) -> dict[str, Any]:
     if accepted is None:
         raise ConfigError(f"parity: no mixed-reward group within --config.search.max_candidates="
                           f"{spec.search.max_candidates}")
-    res, prompt, n = accepted.result, accepted.prompt, spec.sampling.max_new_tokens
+    res, prompt, n = accepted.result, np.asarray(accepted.prompt, np.int32), spec.sampling.max_new_tokens
     responses, mask, advantages = response_batch(accepted, model.cfg.pad_token_id or 0, n)
-    results, vectors = {}, {}
-    for mode in modes:
-        prefix = None
-        if mode == "response_only":  # the sampler's prompt KV, as the transaction uses it
-            prefix, _, _ = sampler.prefill(prompt, sampler.capacity_for(len(prompt), n))
-        out = lora_gradients(model, np.asarray(prompt, np.int32), responses, mask, res.logprobs, advantages,
-                             mode=mode, loss=settings.loss_settings(spec.train), prefix_cache=prefix)
-        # Host copies (gathered when the arrays span several processes).
-        results[mode] = (out, float(to_host(out.loss)), np.asarray(to_host(out.logprobs)))
-        vectors[mode] = family_vectors(out.grads, model)
-        log(f"parity: {mode} loss {results[mode][1]:.6g}")
-    _, ref_loss, ref_logprobs = results[reference]
-    comparison = {}
-    for mode in modes:
-        out, loss, logprobs = results[mode]
-        logp_diff = np.abs(logprobs - ref_logprobs) * mask
-        comparison[mode] = {
-            "loss": loss, "loss_abs_diff": abs(loss - ref_loss),
-            "logprob_max_abs_diff": float(logp_diff.max()),
-            "grads_sha256": state_sha256(out.grads),
-            "families": compare(vectors[mode], vectors[reference]),
-        }
+    loss_settings = settings.loss_settings(spec.train)
+    # The sampler's prompt KV cut to prompt[:-1]: response_only's prefix (as the transaction uses it) and what the
+    # policy's own log-probs (ratio1's old) are computed after.
+    prefix, _, _ = sampler.prefill(prompt, sampler.capacity_for(len(prompt), n))
+    prefix = prefix_for_response(prefix, len(prompt), n)
+    graphdef, state = nnx.split(model)
+    policy_logprobs = np.asarray(to_host(cached_response_logprobs_jit(graphdef, state, prefix, jnp.asarray(prompt),
+                                                                      jnp.asarray(responses))))
+    olds, families = parity_cases.case_olds(policy_logprobs, mask, advantages), _families(model)
+    fixture_arrays = {"prompt_token_ids.npy": prompt, "responses.npy": responses, "response_mask.npy": mask,
+                      "advantages.npy": advantages, "sampler_logprobs.npy": res.logprobs}
+    results, files = {}, []
+    for case, old in olds.items():
+        fixture_arrays[f"{case}/old_logprobs.npy"] = old
+        runs = {}
+        for mode in modes:
+            params_sha = _state_hashes(model, optimizer)["lora_sha256"]
+            out = lora_gradients(model, prompt, responses, mask, old, advantages, mode=mode, loss=loss_settings,
+                                 prefix_cache=prefix if mode == "response_only" else None)
+            arrays = {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(out.grads)}
+            records = _export(arrays, artifacts / case / mode)
+            host = state_arrays(out.grads)  # gathered (several processes: a collective every process joins)
+            runs[mode] = {"grads": host, "loss": float(to_host(out.loss)), "records": records,
+                          "logprobs": np.asarray(to_host(out.logprobs)), "params_sha256": params_sha,
+                          "metrics": {k: float(v) for k, v in to_host(dict(out.metrics)).items()}}
+            fixture_arrays[f"{case}/{mode}/new_logprobs.npy"] = runs[mode]["logprobs"]
+            files += [f"{case}/{mode}/{name}" for k in range(processes.count())
+                      for name in _shard_files(k)]
+        results[case] = runs
+    after = _state_hashes(model, optimizer)
+    if after != before:
+        raise AssertionError(f"parity changed the policy state: {before} -> {after}")  # a bug, never expected
+    torch_runs = _torch_runs(spec, model, prompt, responses, mask, olds, advantages, loss_settings, log)
+    processes.barrier("parity: shards written")
     if writer is None:  # processes other than 0: computed alongside, nothing to write
         processes.barrier("parity: receipt written")
-        return {"receipt": None, "comparison": comparison}
-    for name, array in {"prompt_token_ids.npy": np.asarray(prompt, np.int32), "responses.npy": responses,
-                        "response_mask.npy": mask, "old_logprobs.npy": res.logprobs}.items():
+        return {"receipt": None}
+    section = _compare(spec, results, torch_runs, families, mask, olds, advantages, loss_settings, bounds, log)
+    for name, array in fixture_arrays.items():
         writer.add_array(name, array, kind="fixture")
     writer.add_json("candidates.json", candidates, kind="rewards")
+    for name in files:
+        writer.add_written(name, kind="gradient_shards")
     receipt = writer.commit({
-        "parity": {"reference": reference, "modes": list(modes), "optimizer_steps": 0, "comparison": comparison},
+        "parity": section,
+        "policy_state": {**policy, "before": before, "after": after, "unchanged": True},
         "fixture": {"row": accepted.row.index, "candidate": accepted.index, "rewards": accepted.rewards,
                     "prompt_tokens": len(prompt), "response_tokens": int(mask.sum()),
-                    "num_samples": spec.sampling.num_samples, "group_samples": accepted.samples},
+                    "num_samples": spec.sampling.num_samples, "group_samples": accepted.samples,
+                    "advantages": np.asarray(advantages).tolist(), "cases": parity_cases.describe_cases()},
         "config": {"name": spec.name, "sha256": spec.config_sha256()},
         "model": {"checkpoint": spec.model.base_name, "dtype": spec.model.dtype},
         "topology": {"mesh": mesh_spec.describe(), "mesh_devices": mesh_spec.size, "processes": processes.count()},
     })
     processes.barrier("parity: receipt written")
-    log(f"parity receipt: {receipt}")
-    return {"receipt": str(receipt), "comparison": comparison}
+    log(f"parity receipt: {receipt} ({section['decision']})")
+    return {"receipt": str(receipt), "decision": section["decision"],
+            "cases": {case: {m: {"decision": p["decision"], **p["families"]["all"]} for m, p in c["pairs"].items()}
+                      for case, c in section["cases"].items()}}
+
+
+def _shard_files(process: int) -> tuple[str, str]:
+    from glm52_jax.rl.parity_shards import file_names
+
+    return file_names("shards", process)
+
+
+def _export(arrays: dict, directory: Path) -> list[dict]:
+    from glm52_jax.rl.parity_shards import export_shards
+
+    return export_shards(arrays, directory, "shards", processes.index())
+
+
+def _torch_runs(spec, model, prompt, responses, mask, olds, advantages, loss_settings, log) -> dict | None:
+    """The PyTorch bridge's results per case and mode (None unless parity.torch_reference)."""
+    if not spec.parity.torch_reference:
+        return None
+    from glm52_jax.torch_bridge import torch_reference
+
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="glm52-parity-torch-") as scratch:
+        for case, old in olds.items():
+            modes = [m for m in TORCH_MODES if m in spec.parity.modes]
+            out = torch_reference(model, prompt, responses, mask, old, advantages, modes=modes, loss=loss_settings,
+                                  scratch_dir=Path(scratch) / case)
+            runs[case] = {mode: {"grads": {"/".join(map(str, p)): np.asarray(v.get_value())
+                                           for p, v in _flat(r.grads)},
+                                 "loss": float(r.loss), "logprobs": np.asarray(r.logprobs)}
+                          for mode, r in out.items()}
+            log(f"parity {case}: torch reference of {', '.join(modes)} done")
+    return runs
+
+
+def _flat(state):
+    from flax import nnx
+
+    return nnx.to_flat_state(state)
+
+
+def _compare(spec, results, torch_runs, families, mask, olds, advantages, loss_settings, bounds, log) -> dict:
+    """The receipt's parity section: per case, clipping counts, per mode its numbers, per pair metrics + decision."""
+    reference, outliers = spec.parity.reference, spec.parity.outliers
+    cases = {}
+    for case, runs in results.items():
+        ref = runs[reference]
+        pairs = {}
+        for mode, run in runs.items():
+            if mode == reference:
+                continue
+            metrics = parity_metrics.pair_metrics(
+                run["grads"], ref["grads"], families, logprobs=run["logprobs"], ref_logprobs=ref["logprobs"],
+                mask=mask, loss=run["loss"], ref_loss=ref["loss"], outliers=outliers, shards=run["records"],
+                ref_shards=ref["records"], params_sha256=run["params_sha256"], ref_params_sha256=ref["params_sha256"])
+            pairs[mode] = {**metrics, **parity_metrics.decide(metrics, bounds[mode])}
+            _log_pair(log, case, f"{mode} vs {reference}", pairs[mode])
+        torch_pairs = {}
+        for mode, trun in (torch_runs or {}).get(case, {}).items():
+            metrics = parity_metrics.pair_metrics(
+                trun["grads"], runs[mode]["grads"], families, logprobs=trun["logprobs"],
+                ref_logprobs=runs[mode]["logprobs"], mask=mask, loss=trun["loss"], ref_loss=runs[mode]["loss"],
+                outliers=outliers)
+            torch_pairs[mode] = {**metrics, **parity_metrics.decide(metrics, [parse_bound(b) for b in TORCH_BOUNDS])}
+            _log_pair(log, case, f"torch {mode} vs jax {mode}", torch_pairs[mode])
+        clips = parity_cases.clip_counts(
+            ref["logprobs"], olds[case], mask, advantages, clip_ratio_low=loss_settings.clip_ratio_low,
+            clip_ratio_high=loss_settings.clip_ratio_high, clip_ratio_c=loss_settings.clip_ratio_c)
+        cases[case] = {
+            "clipping": clips,
+            "modes": {mode: {"loss": run["loss"], "metrics": run["metrics"], "grads_sha256": _sha(run["grads"]),
+                             "shards": len(run["records"]),
+                             "nonfinite": sum(int((~np.isfinite(g)).sum()) for g in run["grads"].values())}
+                      for mode, run in runs.items()},
+            "pairs": pairs, **({"torch": torch_pairs} if torch_runs is not None else {}),
+        }
+    decisions = [p["decision"] for c in cases.values() for group in ("pairs", "torch")
+                 for p in c.get(group, {}).values()]
+    return {"reference": reference, "modes": list(spec.parity.modes), "cases": cases, "optimizer_steps": 0,
+            "acceptance": {m: [b.describe() for b in bs] for m, bs in bounds.items()},
+            **({"torch_acceptance": list(TORCH_BOUNDS)} if torch_runs is not None else {}),
+            "decision": "passed" if all(d == "passed" for d in decisions) else "failed"}
+
+
+def _log_pair(log, case: str, what: str, pair: dict) -> None:
+    g = pair["families"]["all"]
+    fmt = lambda v: "n/a" if v is None else f"{v:.9g}"  # noqa: E731
+    log(f"parity {case} {what}: cosine {fmt(g['cosine'])} rel_l2 {fmt(g['rel_l2'])} logprob_abs "
+        f"{pair['logprob_abs']:.3g} loss_abs {pair['loss_abs']:.3g} -> {pair['decision']}")
