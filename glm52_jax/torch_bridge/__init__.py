@@ -6,3 +6,7 @@ the training path never imports. The same policy runs in torch on HF transformer
 GRPO policy loss is written in torch from verl's semantics (`grpo`), and `gradients.torch_reference`
 computes the conventional and response_only gradients and maps them back onto our LoRA tree.
 """
+
+from glm52_jax.torch_bridge.gradients import TorchResult, torch_reference
+
+__all__ = ["TorchResult", "torch_reference"]

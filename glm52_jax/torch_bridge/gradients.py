@@ -22,7 +22,8 @@ Back to our layout: every PEFT tensor is a relayout of our arrays (transposes, r
 concatenated, gate and up placed on the block diagonal of the fused gate_up adapter, one tensor per layer of a
 stack) in which each of our elements lands in exactly one PEFT element and each PEFT element holds at most one
 of ours. The gradient of such a relayout is the inverse relayout on the PEFT elements that hold ours (no sums
-are needed; `tests/torch_bridge/test_torch_gradients.py` checks the adjoint identity on every family), and the
+are needed; `tests/torch_bridge/test_torch_gradients.py` checks the adjoint identity <E x, y> = <x, E^T y>
+over every family's tensors), and the
 PEFT elements that hold none (the off-diagonal blocks of gate_up's B, constant zeros of our parametrisation)
 get gradients that are not ours and are dropped. So torch's LoRA gradients are written as a PEFT adapter file
 and read back with `checkpoint.peft_load.load_peft_adapter`, the exact inverse of the export.
@@ -38,6 +39,7 @@ import os
 import shutil
 from pathlib import Path
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -186,13 +188,21 @@ def torch_reference(model, prompt, responses, mask, old_logprobs, advantages, *,
     the conventional computation (exact). loss: `rl.gradients.LossSettings`. scratch_dir: a directory this
     writes the base checkpoint, the adapter and the gradient adapters into.
     """
-    import torch
-
     prompt, responses = np.asarray(prompt), np.asarray(responses)
     mask, old_logprobs = np.asarray(mask, np.float32), np.asarray(old_logprobs, np.float32)
     advantages = np.asarray(advantages, np.float32)
     modes = _check(prompt, responses, mask, old_logprobs, advantages, modes)
-    scratch_dir = Path(os.fspath(scratch_dir))
+    # Outside any mesh context: the writers read each array with small programs on the array's own devices
+    # (a replicated array from its first device), which an enclosing `jax.set_mesh` of several devices refuses.
+    with jax.set_mesh(None):
+        return _torch_reference(model, prompt, responses, mask, old_logprobs, advantages, modes, loss,
+                                Path(os.fspath(scratch_dir)))
+
+
+def _torch_reference(model, prompt, responses, mask, old_logprobs, advantages, modes, loss,
+                     scratch_dir: Path) -> dict[str, TorchResult]:
+    import torch
+
     base_dir, adapter_dir = write_policy(model, scratch_dir)
     policy = load_policy(base_dir, adapter_dir)
     prompt_t, responses_t = torch.as_tensor(prompt, dtype=torch.long), torch.as_tensor(responses, dtype=torch.long)

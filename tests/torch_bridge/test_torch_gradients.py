@@ -27,8 +27,8 @@ from glm52_jax.model.lora import FAMILIES, LoRA, LoRAConfig  # noqa: E402
 from glm52_jax.model.options import ModelOptions  # noqa: E402
 from glm52_jax.model.transformer import GlmMoeDsa  # noqa: E402
 from glm52_jax.rl.gradients import LossSettings, lora_gradients  # noqa: E402
-from glm52_jax.rl.parity import compare, family_vectors  # noqa: E402
-from glm52_jax.torch_bridge.gradients import grads_to_ours, ours_only, torch_reference  # noqa: E402
+from glm52_jax.torch_bridge import torch_reference  # noqa: E402
+from glm52_jax.torch_bridge.gradients import grads_to_ours, ours_only  # noqa: E402
 
 # 4 layers: dense + full indexer, MoE + full, then 2 x (MoE + shared indexer) stacked in one scan (a real
 # leading layers axis); index_topk 16 below the 29 positions of a sequence.
@@ -62,6 +62,23 @@ def _random_model(seed: int) -> GlmMoeDsa:
     flat = [(p, v.replace(jnp.asarray(_value(p, v.get_value().shape, rng), v.get_value().dtype)))
             for p, v in nnx.to_flat_state(state)]
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def family_vectors(grads: nnx.State, model) -> dict[str, np.ndarray]:
+    """Gradient leaves flattened (float64) per LoRA family, plus "all"."""
+    family = {p: v.get_metadata()["family"] for p, v in nnx.to_flat_state(nnx.state(model, LoRA))}
+    parts = {}
+    for path, g in nnx.to_flat_state(grads):
+        parts.setdefault(family[path], []).append(np.asarray(g.get_value(), np.float64).ravel())
+    vecs = {f: np.concatenate(v) for f, v in parts.items()}
+    vecs["all"] = np.concatenate(list(vecs.values()))
+    return vecs
+
+
+def compare(a: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> dict[str, dict[str, float]]:
+    """Per family: cosine and relative L2 |a - ref| / |ref|."""
+    return {f: {"cosine": float(a[f] @ r / (np.linalg.norm(a[f]) * np.linalg.norm(r))),
+                "rel_l2": float(np.linalg.norm(a[f] - r) / np.linalg.norm(r))} for f, r in ref.items()}
 
 
 @pytest.fixture(scope="module")
@@ -163,3 +180,28 @@ def test_bad_modes_are_refused(model, fixture, tmp_path):
     with pytest.raises(ValueError, match="modes must be"):
         torch_reference(model, **fixture, modes=("conventional", "sharded"), loss=LOSS, scratch_dir=tmp_path)
     assert not any(tmp_path.iterdir())  # refused before anything is written
+
+
+# ~4 s each: one mesh in CI, the other slow.
+@pytest.mark.parametrize("mesh_text", ["context=4,expert=2", pytest.param("folded=8", marks=pytest.mark.slow)])
+def test_model_on_a_mesh_gives_the_same_reference(results, model, fixture, mesh_text, tmp_path):
+    # As parity calls it: the model placed on the run's mesh, inside `jax.set_mesh` (one process).
+    import jax
+
+    from glm52_jax.parallel.mesh import parse_mesh
+    from glm52_jax.parallel.placement import place_model
+    from glm52_jax.parallel.rules import axis_rules
+
+    mesh_spec = parse_mesh(mesh_text)
+    mesh = mesh_spec.make()
+    with axis_rules(mesh_spec.rules()):
+        placed = place_model(model, mesh)
+        assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(nnx.state(placed)))
+        with jax.set_mesh(mesh):
+            got = torch_reference(placed, **fixture, modes=MODES, loss=LOSS, scratch_dir=tmp_path)
+    _, want = results
+    for mode in MODES:  # the same files, so the same torch computation: bit for bit
+        assert got[mode].loss == want[mode].loss
+        np.testing.assert_array_equal(got[mode].logprobs, want[mode].logprobs)
+        for (path, g), (_, w) in zip(nnx.to_flat_state(got[mode].grads), nnx.to_flat_state(want[mode].grads)):
+            np.testing.assert_array_equal(g.get_value(), w.get_value(), err_msg=str(path))
