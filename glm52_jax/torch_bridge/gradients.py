@@ -22,11 +22,11 @@ Back to our layout: every PEFT tensor is a relayout of our arrays (transposes, r
 concatenated, gate and up placed on the block diagonal of the fused gate_up adapter, one tensor per layer of a
 stack) in which each of our elements lands in exactly one PEFT element and each PEFT element holds at most one
 of ours. The gradient of such a relayout is the inverse relayout on the PEFT elements that hold ours (no sums
-are needed; `tests/torch_bridge/test_torch_gradients.py` checks the adjoint identity <E x, y> = <x, E^T y>
-over every family's tensors), and the
-PEFT elements that hold none (the off-diagonal blocks of gate_up's B, constant zeros of our parametrisation)
-get gradients that are not ours and are dropped. So torch's LoRA gradients are written as a PEFT adapter file
-and read back with `checkpoint.peft_load.load_peft_adapter`, the exact inverse of the export.
+are needed; tests/torch_bridge/test_torch_gradients.py checks the adjoint identity <E x, y> = <x, E^T y> over
+every family's tensors), and the PEFT elements that hold none (the off-diagonal blocks of gate_up's B, constant
+zeros of our parametrisation) get gradients that are not ours and are dropped. So torch's LoRA gradients are
+written as a PEFT adapter file and read back with `checkpoint.peft_load.load_peft_adapter`, the exact inverse
+of the export.
 
 Axis letters: P prompt tokens, G responses, R response tokens, V vocab, E experts, r rank, I expert intermediate.
 """
