@@ -6,13 +6,23 @@ megatron-core is not a project dependency (a compiled cp312 wheel); run this wit
     pip download --no-deps megatron-core==0.19.2 -d /tmp/mc && unzip -q /tmp/mc/*.whl -d /tmp/mc/src
     PYTHONPATH=/tmp/mc/src .venv/bin/python scripts/capture_megatron_keys.py
 
-It builds the real model on CPU (gloo, world size 1): the layers come from
-`get_transformer_layer_with_experimental_attention_variant_spec` (the GLM-5 spec Megatron-Bridge's
-GLM5Bridge selects), given the `LocalSpecProvider` backend because TransformerEngine (which the
-block-level helper insists on) cannot be installed without CUDA. The local backend yields
-SequentialMLP experts (`local_experts.<i>`) and an unfused pre-MLP norm; the TE names the module
-cannot build here (TEGroupedMLP's `linear_fc1.weight<i>`, the dense layers' fused
-`mlp.linear_fc1.layer_norm_weight`) are recorded with the source lines that define them.
+It builds the real model on CPU (gloo, world size 1), with megatron-core's own modules throughout: the layers
+come from `get_transformer_layer_with_experimental_attention_variant_spec` (the GLM-5 spec Megatron-Bridge's
+GLM5Bridge selects, experimental_attention_variant="dsa"). Four things differ from a GPU run, none of which
+changes a state-dict name or shape:
+  - backend: the block-level spec helper insists on TransformerEngine, which does not install without CUDA, so
+    the layer helper gets `LocalSpecProvider` (plus `linear()` = megatron-core's local `Linear`, the stand-in
+    for TELinear it lacks) and the MLA down-projections use ColumnParallelLinear (the non-TE class
+    AbsorbedMLASelfAttention accepts). Local experts are SequentialMLP and the dense pre-MLP norm is unfused;
+    the TE names (TEGroupedMLP `linear_fc1.weight<x>`, fused `mlp.linear_fc1.layer_norm_weight`) are recorded
+    as renames with the source lines that define them (`te_renames`);
+  - `torch.cuda.current_device` returns "cpu": DSAIndexer's RotaryEmbedding asks for a CUDA device for its
+    inv_freq buffer (not in the state dict);
+  - the MoE token dispatcher is "allgather" (the alltoall one creates a CUDA stream); dispatchers hold no weights;
+  - no CUDA RNG tracker seeding (`model_parallel_cuda_manual_seed` needs a GPU); values are irrelevant here.
+Megatron-Bridge's LoRA cannot be attached here (its peft package imports transformer_engine), so its adapter
+names are recorded as rules with their sources (`lora_rules`), which the test applies to the captured modules.
+`--print` writes the JSON to stdout instead (the live test uses it).
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ tensor-parallel size 1; Megatron's TP interleaving of the halves is not modelled
 Base weights (HF shapes [out, in]; ours: hf.py's transforms; `L` = decoder layer, `x` = expert):
 
   Megatron (`decoder.layers.L.` prefix unless global)       HF (`model.layers.L.` prefix)           relayout
-  embedding.word_embeddings.weight            [V, D]        model.embed_tokens.weight               -
+  embedding.word_embeddings.weight            [vocab, D]    model.embed_tokens.weight               -
   decoder.final_layernorm.weight              [D]           model.norm.weight                       -
-  output_layer.weight                         [V, D]        lm_head.weight                          -
+  output_layer.weight                         [vocab, D]    lm_head.weight                          -
   input_layernorm.weight                      [D]           input_layernorm.weight                  -
   pre_mlp_layernorm.weight (MoE layers; dense layers with `fused_dense_norm=False`)
                                               [D]           post_attention_layernorm.weight         -
@@ -45,8 +45,8 @@ Base weights (HF shapes [out, in]; ours: hf.py's transforms; `L` = decoder layer
 
 Our side of the same rows (hf.py `_layer_params`; per-layer arrays under `stacks/<s>/layers/<slot>/` carry a
 leading stacked-layers axis; `^T` swaps the last two axes):
-  embed_tokens [V, D] = embedding.word_embeddings;  norm/weight = decoder.final_layernorm;
-  lm_head [D, V] = output_layer^T
+  embed_tokens [vocab, D] = embedding.word_embeddings;  norm/weight = decoder.final_layernorm;
+  lm_head [D, vocab] = output_layer^T
   self_attn/q_a_proj [D, Q] = linear_q_down_proj^T;  q_a_layernorm/weight = q_layernorm;  kv_a_layernorm = kv_layernorm
   self_attn/q_b_proj [Q, H, N+R] = linear_q_up_proj [H*(N+R), Q] split per head, axes moved
   self_attn/kv_a_proj_with_mqa [D, C+R] = linear_kv_down_proj^T
@@ -95,8 +95,10 @@ scripts/capture_megatron_keys.py): the GLM-5 layer spec needs TransformerEngine,
 CUDA, so the capture gives the spec the local backend; the TE-only names (grouped experts, the dense layers' fused
 norm) are stated above from the TE sources the fixture cites.
 
-`load_megatron_state` reads safetensors, or torch files only through `torch.load(weights_only=True)`.
-Axis letters: V vocab, D model, Q q_lora, C kv_lora, H heads, N qk_nope, R rope, V v_head (in shapes), IH/ID indexer
+Scope: whole (unsharded) state dicts, as a TP=EP=PP=1 run saves them or after gathering; Megatron's torch_dist
+checkpoint directories are not read. `to_megatron` holds its result on the host: tiny models, LoRA (`base=False`)
+or gradients. `load_megatron_state` reads safetensors, or torch files only through `torch.load(weights_only=True)`.
+Axis letters: D model, Q q_lora, C kv_lora, H heads, N qk_nope, R rope, V v_head, IH/ID indexer
 heads/dim, E experts, I (expert / dense) intermediate, S shared-expert intermediate, r LoRA rank.
 """
 
@@ -370,7 +372,8 @@ def to_megatron(model, layout: MegatronLayout | None = None, *, base: bool = Tru
                 lora: bool = True) -> dict[str, np.ndarray]:
     """`model`'s weights (base and/or LoRA) as a Megatron GPTModel state dict of host arrays, in its dtypes.
 
-    For gradients: put them in a model's LoRA variables (`nnx.update(model, grads)`) and pass `base=False`."""
+    For gradients: put them in a model's LoRA variables (`nnx.update(model, grads)`) and pass `base=False`.
+    A model sharded over several processes is gathered one tensor at a time, so every process calls this."""
     layout = layout or MegatronLayout()
     out: dict[str, np.ndarray] = {}
     if base:
