@@ -289,6 +289,34 @@ def _per_layer_reader(cfg: ModelConfig, ckpt: _Checkpoint, fused: bool, kind, re
     return (lambda layer, _: spec.to_ours(ckpt.get(f"model.layers.{layer}.{spec.hf}"))), False
 
 
+def param_reader(cfg: ModelConfig, ckpt, fused: bool, key: tuple, shape: tuple[int, ...]) -> Callable:
+    """`read(index) -> np.ndarray`: our parameter `key` (of `shape`) at `index` (a tuple of slices), in our
+    layout, from the HF tensors of `ckpt` (anything with `get(hf_name) -> np.ndarray`; `fused`: fused experts)."""
+    globals_ = {
+        ("embed_tokens",): ("model.embed_tokens.weight", lambda a: a),
+        ("norm", "weight"): ("model.norm.weight", lambda a: a),
+        ("lm_head",): ("lm_head.weight", _t),
+    }
+    if key in globals_:
+        name, fn = globals_[key]
+        return lambda index: fn(ckpt.get(name))[index]
+    if key[0] != "stacks" or key[2] != "layers":
+        raise AssertionError(f"unmapped parameter {key}")
+    layer_of = {v: k for k, v in _layer_map(cfg).items()}
+    stack, slot, rel = key[1], key[3], tuple(key[4:])
+    layer0 = layer_of[(stack, 0, slot)]
+    kind = (cfg.mlp_layer_types[layer0], cfg.indexer_types[layer0])
+    reader, is_expert = _per_layer_reader(cfg, ckpt, fused, kind, rel)
+
+    def read(index):
+        reps = range(shape[0])[index[0]]
+        expert_index = index[1] if is_expert else slice(None)
+        rest = (slice(None),) + tuple(index[2:]) if is_expert else tuple(index[1:])
+        parts = [np.asarray(reader(layer_of[(stack, rep, slot)], expert_index))[rest] for rep in reps]
+        return np.stack(parts)
+    return read
+
+
 def load_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, shardings=None,
                     options: ModelOptions | None = None, *, rope_scaling=None) -> GlmMoeDsa:
     """Loads an HF GLM-MoE-DSA checkpoint directory into a `GlmMoeDsa`.
@@ -307,34 +335,10 @@ def load_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, shardings=None,
     fused = _check_inventory(cfg, ckpt)
     abstract = nnx.eval_shape(lambda: GlmMoeDsa(cfg, opts, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    layer_of = {v: k for k, v in _layer_map(cfg).items()}
-    kinds = list(zip(cfg.mlp_layer_types, cfg.indexer_types))
-    globals_ = {
-        ("embed_tokens",): ("model.embed_tokens.weight", lambda a: a),
-        ("norm", "weight"): ("model.norm.weight", lambda a: a),
-        ("lm_head",): ("lm_head.weight", _t),
-    }
-    flat = nnx.to_flat_state(state)
     leaves = []
-    for key, var in flat:
+    for key, var in nnx.to_flat_state(state):
         shape, target = tuple(var.get_value().shape), var.get_value().dtype
-        if key in globals_:
-            name, fn = globals_[key]
-            def read(index, name=name, fn=fn):
-                return fn(ckpt.get(name))[index]
-        else:
-            if key[0] != "stacks" or key[2] != "layers":
-                raise AssertionError(f"unmapped parameter {key}")
-            stack, slot, rel = key[1], key[3], tuple(key[4:])
-            layer0 = layer_of[(stack, 0, slot)]
-            reader, is_expert = _per_layer_reader(cfg, ckpt, fused, kinds[layer0], rel)
-
-            def read(index, stack=stack, slot=slot, reader=reader, is_expert=is_expert, shape=shape):
-                reps = range(shape[0])[index[0]]
-                expert_index = index[1] if is_expert else slice(None)
-                rest = (slice(None),) + tuple(index[2:]) if is_expert else tuple(index[1:])
-                parts = [np.asarray(reader(layer_of[(stack, rep, slot)], expert_index))[rest] for rep in reps]
-                return np.stack(parts)
+        read = param_reader(cfg, ckpt, fused, key, shape)
         leaves.append((key, var, _materialize(read, shape, target, var, shardings)))
     model = nnx.merge(graphdef, nnx.from_flat_state([(k, v.replace(value)) for k, v, value in leaves]))
     if options is not None and options.lora is not None:
