@@ -1,6 +1,7 @@
 """Parity mode: the gradient modes in both cases on one real rollout group of the embedded policy, on one
 device and on both 8-device meshes, from a nonzero LoRA; the receipt's decisions recomputed from its metrics."""
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from glm52_jax.rl.parity import receipt_name, run_parity
 from tests.run_helpers import config_spec
 
 MESHES = ("folded=8", "context=4,expert=2")
+# The PyTorch bridge joins the one-device run when the `parity` extra is installed (~10 s more).
+HAS_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers", "peft"))
 
 
 def _run(tmp_path_factory, **overrides):
@@ -26,7 +29,7 @@ def _run(tmp_path_factory, **overrides):
 
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory):
-    return _run(tmp_path_factory)
+    return _run(tmp_path_factory, **{"parity.torch_reference": HAS_TORCH})
 
 
 @pytest.fixture(scope="module", params=MESHES)
@@ -70,6 +73,24 @@ def test_both_cases_decided_from_their_metrics(one_device):
     assert parity["decision"] == out["decision"] == "passed"
     print("\nparity (tiny policy, P=256):", json.dumps({c: {m: p["families"]["all"] for m, p in r["pairs"].items()}
                                                        for c, r in parity["cases"].items()}))
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs the parity extra (torch, transformers, peft)")
+def test_torch_reference_meets_the_bridge_bounds(one_device):
+    """HF GlmMoeDsa + PEFT in torch on the same fixture and LoRA: conventional and response_only gradients
+    (global and per family) within cosine 0.99999 / relative L2 1e-4, in both cases, decided in the receipt."""
+    _, receipt = _receipt(one_device)
+    parity = receipt["parity"]
+    assert parity["torch_acceptance"] == ["cosine >= 0.99999", "rel_l2 <= 1e-4", "logprob_abs <= 1e-5",
+                                          "loss_abs <= 1e-5"]
+    for case, result in parity["cases"].items():
+        assert sorted(result["torch"]) == ["conventional", "response_only"]
+        for mode, pair in result["torch"].items():
+            assert pair["decision"] == "passed", (case, mode, pair["checks"])
+            for family, values in pair["families"].items():
+                assert values["cosine"] >= 0.99999 and values["rel_l2"] <= 1e-4, (case, mode, family, values)
+    print("\ntorch vs jax:", json.dumps({c: {m: p["families"]["all"] for m, p in r["torch"].items()}
+                                         for c, r in parity["cases"].items()}))
 
 
 def test_active_clip_clips_both_sides_and_ratio1_none(one_device):
