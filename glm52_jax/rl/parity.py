@@ -168,6 +168,7 @@ def _parity(inputs, model, optimizer, writer, artifacts: Path, mesh_spec, log) -
         runs = {}
         for mode in modes:
             params_sha = _state_hashes(model, optimizer)["lora_sha256"]
+            log(f"parity {case}: {mode} gradients")
             out = lora_gradients(model, prompt, responses, mask, old, advantages, mode=mode, loss=loss_settings,
                                  prefix_cache=prefix if mode == "response_only" else None)
             arrays = {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(out.grads)}

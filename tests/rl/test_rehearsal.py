@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from glm52_jax.evidence import deterministic_view, verify
+from glm52_jax.rl import parity_shards
 from glm52_jax.rl.run import run_online
 from tests.process_helpers import finish, start_launchers
 from tests.run_helpers import ROOT, config_spec
@@ -235,12 +236,17 @@ def test_parity_mode_on_two_processes(tmp_path, jit_cache):
     done = finish(_start(tmp_path / "w", ["--mode=parity"], logs, jit_cache), logs)
     for code, _, err in done:
         assert code == 0, err[-3000:]
-    receipt_path = tmp_path / "w" / "evidence" / "parity" / "receipt.json"
+    (receipt_path,) = (tmp_path / "w" / "evidence").glob("gradient_parity_*.json")
     assert verify(receipt_path) == []
     receipt = json.loads(receipt_path.read_text())
     assert receipt["topology"] == {"mesh": "DP1/TP1/CP8/EP8/PP1", "mesh_devices": 8, "processes": 2}
-    cmp = receipt["parity"]["comparison"]
-    assert json.loads(done[0][1].strip().splitlines()[-1])["comparison"] == cmp
-    shared = cmp["shared_prefix"]
-    assert shared["logprob_max_abs_diff"] <= 1e-5 and shared["loss_abs_diff"] <= 1e-6, shared
-    assert all(v["rel_l2"] <= 1e-5 for v in shared["families"].values() if v["rel_l2"] is not None), shared
+    assert json.loads(done[0][1].strip().splitlines()[-1])["receipt"] == str(receipt_path)
+    for case, result in receipt["parity"]["cases"].items():
+        shared = result["pairs"]["shared_prefix"]
+        assert shared["decision"] == "passed" and shared["families"]["all"]["rel_l2"] <= 1e-5, (case, shared["checks"])
+        # Each process exported its own 4 devices' shards; together they cover every gradient element.
+        shards = receipt_path.parent / receipt_path.stem / case / "conventional"
+        records = parity_shards.read_records(shards, "shards", 2)
+        devices = {p: {r["device"] for r in records if r["process"] == p} for p in (0, 1)}
+        assert len(devices[0]) == len(devices[1]) == 4 and not devices[0] & devices[1], devices
+        assert all(np.isfinite(a).all() for a in parity_shards.assemble(shards, "shards", 2).values())
