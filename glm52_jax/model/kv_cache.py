@@ -218,7 +218,7 @@ def _write_local(shard: jax.Array, chunk: jax.Array, length: jax.Array, base: ja
     # The chunk row that lands on each window slot: global slot (base + start + j) - length.
     rows = base + start - length + jnp.arange(window, dtype=jnp.int32)
     lands = (rows >= 0) & (rows < seq)
-    incoming = jnp.take(chunk, jnp.clip(rows, 0, seq - 1), axis=3)
+    incoming = jnp.take(chunk, rows, axis=3, mode="clip")  # rows that do not land are masked below
     current = jax.lax.dynamic_slice_in_dim(shard, start, window, axis=3)
     update = jnp.where(lands[:, None], incoming, current)
     return jax.lax.dynamic_update_slice_in_dim(shard, update, start, axis=3)

@@ -236,18 +236,25 @@ class Sampler:
         t0 = time.perf_counter()
         cache, h_last, hit = self.prefill(prompt, capacity)
         t1 = time.perf_counter()
-        keys = jax.random.split(jax.random.key(params.seed), g)
-        tokens, logps, _ = self._decode(
-            self.state, broadcast_batch(cache, g), jnp.repeat(h_last, g, axis=0), keys,
-            None if forced_tokens is None else jnp.asarray(forced_tokens, jnp.int32),
-            steps=n, temperature=float(params.temperature), top_k=params.top_k, top_p=float(params.top_p),
-            stop_ids=tuple(params.stop_token_ids))
+        tokens, logps, _ = self.decode(cache, h_last, params, forced_tokens)
         tokens, logps = np.asarray(tokens), np.asarray(logps)
         t2 = time.perf_counter()
         lengths = (tokens != PAD_TOKEN).sum(-1)
         reasons = [FINISH_STOP if lengths[i] > 0 and tokens[i, lengths[i] - 1] in params.stop_token_ids
                    else FINISH_LENGTH for i in range(g)]
         return SampleResult(tokens, logps, lengths, reasons, len(prompt), hit, t1 - t0, t2 - t1)
+
+    def decode(self, cache: KVCache, h_last: jax.Array, params: SamplingParams,
+               forced_tokens: np.ndarray | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
+        """`params.num_samples` continuations of a prefilled prompt (batch-1 `cache`, `h_last: [1,D]`; both
+        kept): (tokens [G,N], log-probs [G,N], the G-row cache after the N tokens). `sample` checks the inputs."""
+        g = params.num_samples
+        keys = jax.random.split(jax.random.key(params.seed), g)
+        return self._decode(
+            self.state, broadcast_batch(cache, g), jnp.repeat(h_last, g, axis=0), keys,
+            None if forced_tokens is None else jnp.asarray(forced_tokens, jnp.int32),
+            steps=params.max_new_tokens, temperature=float(params.temperature), top_k=params.top_k,
+            top_p=float(params.top_p), stop_ids=tuple(params.stop_token_ids))
 
     def prefill(self, prompt: Sequence[int], capacity: int) -> tuple[KVCache, jax.Array, int]:
         """Batch-1 cache of `prompt` plus the last token's hidden state [1,D]; reuses cached prefixes.
