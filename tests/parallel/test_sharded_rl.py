@@ -269,7 +269,7 @@ def test_whole_prompt_prefill_is_context_parallel_and_matches_chunked(model, pro
     """The sampler's `whole` prefill on a mesh (one explicit-CP forward that also emits the cache)
     gives the single-device chunked prefill's cache and h_last, with slots sharded 1/N, and the
     same greedy continuation."""
-    ref_cache, ref_h, ref = reference_sampling
+    ref_cache, ref_h, ref, _ = reference_sampling
     mesh_spec, mesh = _mesh(spec)
     with axis_rules(mesh_spec.rules()):
         sampler = Sampler(place_model(model, mesh), prefill_mode="whole", **QUIET)
