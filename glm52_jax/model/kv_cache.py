@@ -23,6 +23,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from glm52_jax.config import ModelConfig
 from glm52_jax.parallel.rules import constrain, logical_to_spec
@@ -75,11 +76,7 @@ def slot_capacity(tokens: int, multiple: int, ways: int = 1) -> int:
 def slot_ways() -> int:
     """Devices the current mesh (if any) and rules split the cache's slot axis over (1 outside a mesh)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return 1
-    part = logical_to_spec(CACHE_AXES, mesh_axes=mesh.axis_names)[3]
-    names = () if part is None else (part,) if isinstance(part, str) else tuple(part)
-    return math.prod(mesh.shape[n] for n in names)
+    return math.prod(mesh.shape[n] for n in slot_axes())
 
 
 def init_cache(cfg: ModelConfig, segments, batch: int, capacity: int, dtype=jnp.bfloat16) -> KVCache:
@@ -118,7 +115,8 @@ def cache_from_entries(new_c, new_r, new_i, seq: int, capacity: int, dtype) -> K
 
 
 def broadcast_batch(cache: KVCache, batch: int) -> KVCache:
-    """Repeats a batch-1 cache (one shared prompt) to `batch` rows."""
+    """Repeats a batch-1 cache (one shared prompt) to `batch` rows, in new arrays only (`length`
+    too): the sampler donates the result to its decode loop and keeps `cache` in its prefix cache."""
     if cache.batch != 1:
         raise ValueError(f"broadcast_batch needs a batch-1 cache, got batch {cache.batch}")
 
@@ -126,7 +124,7 @@ def broadcast_batch(cache: KVCache, batch: int) -> KVCache:
         return jnp.repeat(a, batch, axis=2)
 
     return KVCache(tuple(map(rep, cache.c_kv)), tuple(map(rep, cache.k_rope)), tuple(map(rep, cache.index_k)),
-                   cache.length)
+                   jnp.array(cache.length, copy=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,26 +152,73 @@ def write_chunk(cache: KVCache, new_c, new_r, new_i, seq: int) -> KVCache:
     """Writes a chunk's entries (per segment [repeats, U|F, B, S, *]) at slot `length`; length += S.
 
     One `dynamic_update_slice` per stacked array: under jit, with the cache in a loop carry or
-    donated, XLA updates it in place instead of copying the whole cache per layer.
+    donated, XLA updates it in place instead of copying the whole cache per layer. Under a mesh
+    that shards the slot axis, each device updates its own shard (`_write_local`).
     """
-
-    sharded = slot_ways() > 1
+    axes, ways = slot_axes(), slot_ways()
+    sharded = ways > 1 and cache.capacity % ways == 0
 
     def put(stack, chunk):
         chunk = chunk.astype(stack.dtype)
         if sharded:
-            # A dynamic_update_slice at a traced offset on a sharded axis makes XLA all-gather the
-            # whole stack on every device (hundreds of GB per device at 2M). A select keeps every
-            # device on its own slots: each one rewrites its shard, taking chunk rows where the
-            # chunk lands in it.
-            rel = jnp.arange(stack.shape[3], dtype=jnp.int32) - cache.length
-            inside = (rel >= 0) & (rel < seq)
-            rows = jnp.take(chunk, jnp.clip(rel, 0, seq - 1), axis=3)
-            updated = jnp.where(inside[:, None], rows, stack)
+            updated = _write_sharded(stack, chunk, cache.length, axes)
         else:
+            # Also the fallback for a capacity the slot shards do not divide (the sampler never makes
+            # one: `slot_capacity`): correct, but GSPMD may gather the stack around the update.
             updated = jax.lax.dynamic_update_slice(stack, chunk, (0, 0, 0, cache.length, 0))
         # The sequence axis stays sharded (context parallel) under a mesh; a no-op without one.
         return constrain(updated, CACHE_AXES)
 
     return KVCache(tuple(map(put, cache.c_kv, new_c)), tuple(map(put, cache.k_rope, new_r)),
                    tuple(map(put, cache.index_k, new_i)), cache.length + seq)
+
+
+def slot_axes() -> tuple[str, ...]:
+    """Mesh axes (of size > 1) the current mesh and rules shard the cache's slot axis over; () outside a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    part = logical_to_spec(CACHE_AXES, mesh_axes=mesh.axis_names)[3]
+    names = () if part is None else (part,) if isinstance(part, str) else tuple(part)
+    return tuple(n for n in names if mesh.shape[n] > 1)
+
+
+def _write_sharded(stack: jax.Array, chunk: jax.Array, length: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """`stack: [reps, U|F, B, Cap, *]` with slots sharded on `axes`, `chunk: [reps, U|F, B, S, *]`
+    (same dtype) written at global slot `length`, each device touching only its own slots.
+
+    A `dynamic_update_slice` at a traced offset on a sharded axis makes GSPMD all-gather the whole
+    stack on every device, and a select over the stack rewrites every slot of every layer each
+    step; inside a shard_map over the slot axes each device instead reads and rewrites one window
+    of its shard in place (`_write_local`). Other mesh axes (the batch's) stay automatic.
+    """
+    slots = P(None, None, None, axes, None)
+
+    def local(stack, chunk, length):
+        return _write_local(stack, chunk, length, jax.lax.axis_index(axes) * stack.shape[3])
+
+    return jax.shard_map(local, in_specs=(slots, P(), P()), out_specs=slots, axis_names=frozenset(axes))(
+        stack, chunk, length)
+
+
+def _write_local(shard: jax.Array, chunk: jax.Array, length: jax.Array, base: jax.Array) -> jax.Array:
+    """One device's part of a chunk write: `shard: [reps, U|F, B, Cap_local, *]` holds global slots
+    `base .. base + Cap_local - 1`; `chunk: [reps, U|F, B, S, *]` goes to global slots `length ..
+    length + S - 1`, of which this shard takes those in its range (none, some at either end of a
+    chunk that straddles a shard boundary, or all).
+
+    The update is a window of W = min(S, Cap_local) local slots placed to cover the chunk's overlap
+    with the shard: read (`dynamic_slice`), chunk rows put where they land, written back
+    (`dynamic_update_slice`) at the same offset, so XLA updates the shard in place and the select
+    only spans W slots. Slots of the window outside the chunk keep their values.
+    """
+    local_cap, seq = shard.shape[3], chunk.shape[3]
+    window = min(seq, local_cap)
+    start = jnp.clip(length - base, 0, local_cap - window)
+    # The chunk row that lands on each window slot: global slot (base + start + j) - length.
+    rows = base + start - length + jnp.arange(window, dtype=jnp.int32)
+    lands = (rows >= 0) & (rows < seq)
+    incoming = jnp.take(chunk, rows, axis=3, mode="clip")  # rows that do not land are masked below
+    current = jax.lax.dynamic_slice_in_dim(shard, start, window, axis=3)
+    update = jnp.where(lands[:, None], incoming, current)
+    return jax.lax.dynamic_update_slice_in_dim(shard, update, start, axis=3)

@@ -16,8 +16,9 @@ weights), and lowers + compiles the programs a GRPO transaction runs, at the con
            The sampler never runs it; `conventional` training (per sample) and `token_logprobs`
            do. For comparison, when asked for in `programs`.
   decode   `rollout.sampler.decode_steps` exactly: a scan of R = max_new_tokens steps for
-           G = num_samples rows against the G-row cache, each step logits + sampling + one
-           `forward_cached` token. One step is the loop body: the per-body columns; executed = x R.
+           G = num_samples rows against the G-row cache (donated, as the sampler gives it, so the
+           loop updates it in place), each step logits + sampling + one `forward_cached` token.
+           One step is the loop body: the per-body columns; executed = x R.
   train    one optimizer step: `rl.gradients.compute_gradients` in the configured mode (G
            per-sample backwards, accumulated; response_only takes the sampler's prefix cache as an
            input) then the `rl.update` transform (global-norm clip + AdamW) and `apply_updates`,

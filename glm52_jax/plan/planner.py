@@ -56,7 +56,8 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
       gradient_mode (`rl.gradients.MODES`), lora (`LoRAConfig`; required for "train"), dtype
       (parameter/activation dtype).
     options: `ModelOptions` overrides (block sizes, remat); its param_dtype / lora are replaced by
-      `dtype` / `lora`. donate_cache: donate the cache to prefill/decode (the sampler does not).
+      `dtype` / `lora`. donate_cache: donate the cache to the chunked prefill (the sampler does not: its prefix
+      cache keeps the old one); decode always takes a donated cache, as the sampler gives it.
     fast_compile: on CPU, skip LLVM optimisation (`FAST_CPU_COMPILE`; the plan never runs code).
     adamw: `rl.update.AdamWConfig` of the train program (default: its defaults). log: progress lines.
     Returns a JSON-serialisable dict (see `format_plan`); per-device numbers throughout.

@@ -121,9 +121,10 @@ def decode_program(s: PlanSetup) -> Program:
     h_last = sds_even((g, s.cfg.hidden_size), s.opts.param_dtype, s.mesh, ("batch", "embed"))
     key_shape = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), g))
     keys = sds(key_shape.shape, key_shape.dtype, s.mesh, None)
-    kw = dict(compiler_options=sampler.CACHE_COMPILER_OPTIONS, donate_argnums=(1,) if s.donate_cache else ())
+    # Donated as the sampler donates it (a fresh broadcast per request): the loop runs on its buffers.
+    kw = dict(compiler_options=sampler.CACHE_COMPILER_OPTIONS, donate_argnums=(1,))
     what = (f"sampler.decode_steps: scan of max_new_tokens={steps} steps for S={g} rows against the S-row cache "
-            f"(capacity {s.capacity}); one step = the loop body (per-body columns), executed = x {steps}")
+            f"(capacity {s.capacity}, donated); one step = the loop body (per-body columns), executed = x {steps}")
     return Program(decode, (s.state, s.cache(g), h_last, keys), kw, what, 1)
 
 

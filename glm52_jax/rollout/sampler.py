@@ -128,14 +128,16 @@ def prefill_whole(model: GlmMoeDsa, ids: jax.Array, capacity: int) -> tuple[jax.
 
 def decode_steps(model: GlmMoeDsa, cache: KVCache, h_last: jax.Array, keys: jax.Array, forced: jax.Array | None,
                  *, steps: int, temperature: float, top_k: int, top_p: float,
-                 stop_ids: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+                 stop_ids: tuple[int, ...]) -> tuple[jax.Array, jax.Array, KVCache]:
     """`steps` (= N) decode steps for G rows in one `lax.scan` (`Sampler` jits it).
 
     Each step: logits of the current hidden state, a token (sampled at `temperature` after top-k /
     top-p truncation, greedy at 0, or `forced`), its old log-prob, then one `forward_cached` token.
     cache: G-row cache holding the prompt; h_last: [G,D] hidden state of the last prompt token;
     keys: [G] PRNG keys (step t folds in t); forced: [G,N] int32 ids to feed instead of sampling, or None.
-    Returns (tokens [G,N] int32, PAD_TOKEN after a row's stop token; log-probs [G,N] float32, 0 there).
+    Returns (tokens [G,N] int32, PAD_TOKEN after a row's stop token; log-probs [G,N] float32, 0 there;
+    the cache after the N tokens). Returning the cache lets a caller that donates `cache` have XLA
+    run the loop on the donated buffers (aliased to this output) instead of a whole copy of the cache.
     """
     stop = jnp.asarray(stop_ids if stop_ids else (-2,), jnp.int32)
 
@@ -160,8 +162,8 @@ def decode_steps(model: GlmMoeDsa, cache: KVCache, h_last: jax.Array, keys: jax.
         return (cache, h[:, 0], done), (out_token, out_logp)
 
     done0 = jnp.zeros(h_last.shape[:1], bool)
-    (_, _, _), (tokens, logps) = jax.lax.scan(step, (cache, h_last, done0), jnp.arange(steps))
-    return tokens.T, logps.T
+    (cache, _, _), (tokens, logps) = jax.lax.scan(step, (cache, h_last, done0), jnp.arange(steps))
+    return tokens.T, logps.T, cache
 
 
 class Sampler:
@@ -197,8 +199,10 @@ class Sampler:
         self._prefill_whole = jax.jit(whole, static_argnames=("capacity",))
         # Built inside jit so that, under a mesh, each device allocates only its share of the slots.
         self._empty_cache = jax.jit(lambda capacity: model.init_cache(1, capacity), static_argnums=0)
+        # The G-row cache is donated: `broadcast_batch` makes it afresh per request (the prefix cache keeps
+        # the batch-1 one), and the decode loop then updates it in place rather than in a copy.
         self._decode = jax.jit(decode, static_argnames=("steps", "temperature", "top_k", "top_p", "stop_ids"),
-                               compiler_options=CACHE_COMPILER_OPTIONS)
+                               donate_argnums=(1,), compiler_options=CACHE_COMPILER_OPTIONS)
 
     # -- public ----------------------------------------------------------------------------------
     def policy_updated(self) -> None:
@@ -232,18 +236,25 @@ class Sampler:
         t0 = time.perf_counter()
         cache, h_last, hit = self.prefill(prompt, capacity)
         t1 = time.perf_counter()
-        keys = jax.random.split(jax.random.key(params.seed), g)
-        tokens, logps = self._decode(
-            self.state, broadcast_batch(cache, g), jnp.repeat(h_last, g, axis=0), keys,
-            None if forced_tokens is None else jnp.asarray(forced_tokens, jnp.int32),
-            steps=n, temperature=float(params.temperature), top_k=params.top_k, top_p=float(params.top_p),
-            stop_ids=tuple(params.stop_token_ids))
+        tokens, logps, _ = self.decode(cache, h_last, params, forced_tokens)
         tokens, logps = np.asarray(tokens), np.asarray(logps)
         t2 = time.perf_counter()
         lengths = (tokens != PAD_TOKEN).sum(-1)
         reasons = [FINISH_STOP if lengths[i] > 0 and tokens[i, lengths[i] - 1] in params.stop_token_ids
                    else FINISH_LENGTH for i in range(g)]
         return SampleResult(tokens, logps, lengths, reasons, len(prompt), hit, t1 - t0, t2 - t1)
+
+    def decode(self, cache: KVCache, h_last: jax.Array, params: SamplingParams,
+               forced_tokens: np.ndarray | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
+        """`params.num_samples` continuations of a prefilled prompt (batch-1 `cache`, `h_last: [1,D]`; both
+        kept): (tokens [G,N], log-probs [G,N], the G-row cache after the N tokens). `sample` checks the inputs."""
+        g = params.num_samples
+        keys = jax.random.split(jax.random.key(params.seed), g)
+        return self._decode(
+            self.state, broadcast_batch(cache, g), jnp.repeat(h_last, g, axis=0), keys,
+            None if forced_tokens is None else jnp.asarray(forced_tokens, jnp.int32),
+            steps=params.max_new_tokens, temperature=float(params.temperature), top_k=params.top_k,
+            top_p=float(params.top_p), stop_ids=tuple(params.stop_token_ids))
 
     def prefill(self, prompt: Sequence[int], capacity: int) -> tuple[KVCache, jax.Array, int]:
         """Batch-1 cache of `prompt` plus the last token's hidden state [1,D]; reuses cached prefixes.

@@ -93,10 +93,11 @@ def prompt():
 
 @pytest.fixture(scope="module")
 def reference_sampling(model, prompt):
-    """Single device, chunked prefill: the prompt's cache and h_last, and its greedy continuation."""
+    """Single device, chunked prefill: the prompt's cache and h_last, its greedy continuation, and the
+    G-row cache after it."""
     sampler = Sampler(model, **QUIET)
     cache, h_last, _ = sampler.prefill(prompt, CAPACITY)
-    return cache, h_last, sampler.sample(prompt, GREEDY)
+    return cache, h_last, sampler.sample(prompt, GREEDY), sampler.decode(cache, h_last, GREEDY)[2]
 
 
 def _mesh(spec):
@@ -185,8 +186,9 @@ def test_greedy_decode_matches_and_cache_is_sharded(model, prompt, reference_sam
     with axis_rules(mesh_spec.rules()):
         sampler = Sampler(place_model(model, mesh), **QUIET)
         with jax.set_mesh(mesh):
-            cache, _, _ = sampler.prefill(prompt, CAPACITY)
+            cache, h_last, _ = sampler.prefill(prompt, CAPACITY)
             out = sampler.sample(prompt, GREEDY)
+            decoded = sampler.decode(cache, h_last, GREEDY)[2]  # the program `sample` ran, its final cache
             # The decode step runs the explicit path: local indexer scores, merged candidates,
             # attention where the keys live, log-sum-exp combine (a pmax + psums).
             step = jax.make_jaxpr(lambda st, c, ids: nnx.merge(sampler.graphdef, st).forward_cached(ids, c))(
@@ -195,6 +197,15 @@ def test_greedy_decode_matches_and_cache_is_sharded(model, prompt, reference_sam
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     np.testing.assert_allclose(out.logprobs, ref.logprobs, rtol=1e-5, atol=1e-5)
     _assert_cache_slots_sharded(cache, mesh, spec)
+    _assert_cache_slots_sharded(decoded, mesh, spec)
+    # The chunks (16 tokens) straddle folded=8's 8-slot shards, and decode writes one slot per step, each
+    # device its own part, in place. The entries come from sharded compute (equal up to rounding; the writes
+    # alone are bit-exact: tests/model/test_kv_cache.py).
+    for got_cache, want_cache in ((cache, reference_sampling[0]), (decoded, reference_sampling[3])):
+        assert int(got_cache.length) == int(want_cache.length)
+        for got, want in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+            assert got.shape == want.shape and got.dtype == want.dtype
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def _replicated_new_arrays(before: set[int], min_bytes: int) -> list[str]:
@@ -258,7 +269,7 @@ def test_whole_prompt_prefill_is_context_parallel_and_matches_chunked(model, pro
     """The sampler's `whole` prefill on a mesh (one explicit-CP forward that also emits the cache)
     gives the single-device chunked prefill's cache and h_last, with slots sharded 1/N, and the
     same greedy continuation."""
-    ref_cache, ref_h, ref = reference_sampling
+    ref_cache, ref_h, ref, _ = reference_sampling
     mesh_spec, mesh = _mesh(spec)
     with axis_rules(mesh_spec.rules()):
         sampler = Sampler(place_model(model, mesh), prefill_mode="whole", **QUIET)

@@ -93,6 +93,7 @@ def test_folded_memory_matches_the_abstract_state(folded):
     assert prefill["output_bytes"] >= cache["batch1_bytes_per_device"]  # the updated cache comes back
     decode = folded["programs"]["decode"]["memory"]
     assert decode["argument_bytes"] >= weights + cache["decode_bytes_per_device"]
+    assert decode["alias_bytes"] >= cache["decode_bytes_per_device"]  # donated: the loop runs on its buffers
     # Train holds the prefix cache, the adapters and AdamW's two moments of them, sharded like the
     # adapters (the rest: token ids, masks, advantages, the step count: a few hundred bytes).
     train = folded["programs"]["train"]["memory"]
