@@ -10,10 +10,9 @@ per device. The counting rules (also in `plan.report.NOTES`):
                `async-start`) run once per caller; reducers and comparators (`to_apply` of any op
                but `call`) zero times, their work is counted on the op that applies them.
   flops        as XLA's HloCostAnalysis: dot (and XLA:GPU's cuBLAS GEMM custom calls) 2 * |out| *
-               |contracted|, convolution 2 per
-               multiply-add over the valid (non-padding) window positions, elementwise 1 per
-               result element, transcendentals separately, reduce 1 per reduced input element,
-               reduce-window (window - 1) per result element.
+               |contracted|, convolution 2 per multiply-add over the valid (non-padding) window
+               positions, elementwise 1 per result element, transcendentals separately, reduce 1
+               per reduced input element, reduce-window (window - 1) per result element.
   collectives  all-gather, all-reduce, reduce-scatter, all-to-all and collective-permute: the bytes
                of the RESULT shape (the gathered array for all-gather, the shard for reduce-scatter;
                not wire traffic); async pairs counted once, at `*-done`.
