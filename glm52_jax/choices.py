@@ -15,3 +15,5 @@ PRESETS = ("tiny", "glm52")  # config.py architectures for `model.checkpoint="ra
 CHECKPOINT_KEYWORDS = ("embedded", "random")  # model.checkpoint besides a directory path
 # plan/: programs plan mode can compile
 PLAN_PROGRAMS = ("prefill", "forward", "decode", "train", "new_logprobs", "inventory", "probe_prefill", "probe_decode")
+# plan/targets.py: where plan mode compiles (virtual CPU devices, or deviceless for these GPUs)
+PLAN_TARGETS = ("cpu", "h20", "h200")

@@ -156,7 +156,8 @@ def _plan(spec) -> dict:
                   num_samples=s.num_samples, samples_per_request=s.per_request, probe_tokens=spec.search.probe_tokens,
                   gradient_mode=spec.train.gradient_mode, lora=lora_config(spec.model),
                   dtype=spec.model.jnp_dtype(), chunk_size=s.chunk_size, prefill_mode=s.prefill_mode,
-                  hbm_bytes=spec.plan.hbm_gib * 2**30, programs=spec.plan.programs, log=_log)
+                  hbm_bytes=spec.plan.hbm_gib * 2**30, programs=spec.plan.programs, target=spec.plan.target,
+                  log=_log)
     report["model_source"] = source
     _log(format_plan(report))
     if FLAGS.workdir:
@@ -165,7 +166,7 @@ def _plan(spec) -> dict:
         Path(FLAGS.workdir).mkdir(parents=True, exist_ok=True)
         atomic_write_json(Path(FLAGS.workdir) / "plan.json", report, indent=1)
     return {k: report[k] for k in ("fits", "largest_program", "largest_total_bytes", "hbm_bytes")} | \
-        {"mesh": report["mesh"]["describe"]}
+        {"mesh": report["mesh"]["describe"], "target": spec.plan.target}
 
 
 def _run_mode(spec, workdir: str | None) -> dict:
@@ -230,7 +231,9 @@ def main(argv):
             raise ConfigError(str(e)) from None
         if FLAGS.mode == "plan":
             from glm52_jax.plan.devices import ensure_virtual_devices
+            from glm52_jax.plan.targets import check_target
 
+            check_target(spec.plan.target)  # a GPU target without the CUDA plugin: a config error, before compiling
             ensure_virtual_devices(spec.mesh_spec().size)  # before JAX starts: virtual CPU devices for the mesh
         workdir = FLAGS.workdir
         if workdir is None and FLAGS.mode in ("train", "parity"):

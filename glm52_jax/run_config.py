@@ -340,6 +340,7 @@ class ParitySpec(_Section):
 class PlanSpec(_Section):
     programs: tuple[str, ...] = _rules(subset_of(choices.PLAN_PROGRAMS))
     hbm_gib: float = _rules(number(0.0))
+    target: str = _rules(one_of(choices.PLAN_TARGETS))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -94,7 +94,11 @@ def get_config() -> ml_collections.ConfigDict:
     # Programs to compile: every program of a transaction (also: forward, a reference). The probe's two are
     # skipped when search.probe_tokens = 0.
     c.plan.programs = ("prefill", "decode", "train", "new_logprobs", "inventory", "probe_prefill", "probe_decode")
-    c.plan.hbm_gib = 96.0  # per-device memory the programs must fit (H20: 96 GiB)
+    c.plan.hbm_gib = 96.0  # per-device memory the programs must fit with plan.target=cpu (H20: 96 GiB)
+    # Where the programs compile: "cpu" = virtual CPU devices (XLA:CPU, runs anywhere); "h20" / "h200" = XLA's GPU
+    # compiler, deviceless (needs the gpu-aot extra), topology HOSTSx1x8 (1x1xN up to 8 GPUs), fits against the
+    # target's memory x XLA_PYTHON_CLIENT_MEM_FRACTION (0.92, launch/run_node.sh), plus a modeled time per program.
+    c.plan.target = "cpu"
 
     c.export = ml_collections.ConfigDict()  # --mode=export: PEFT adapter + merged HF checkpoint
     # The merged checkpoint's config.json keeps the run's position extension (e.g. the 2M YaRN payload) instead of
@@ -112,4 +116,5 @@ def glm52_release(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.data.dedupe = True
     c.sampling.max_new_tokens = 16
     c.train.learning_rate = 1e-5
+    c.plan.target = "h20"  # the seed's GPUs: plan with XLA's GPU compiler (--config.plan.target=cpu without it)
     return c

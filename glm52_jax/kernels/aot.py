@@ -123,11 +123,8 @@ def compile_for_gpu(fn, *abstract_args, target: str = "h200", mesh=None, static_
         return x
 
     args = jax.tree.map(place, abstract_args)
-    with tempfile.TemporaryDirectory(prefix="glm52_gpu_aot_") as dump, _deviceless_lowering(target):
-        options = {"xla_gpu_cuda_data_dir": str(nvcc_dir()),
-                   # sorts would otherwise query a device for CUB's scratch size
-                   "xla_gpu_deviceless_cub_mode": "DEVICELESS_CUB_DISABLED",
-                   "xla_dump_to": dump, "xla_gpu_dump_llvmir": True, "xla_dump_emitter_re": ".*"}
+    with tempfile.TemporaryDirectory(prefix="glm52_gpu_aot_") as dump, deviceless_lowering(target):
+        options = {**compiler_options(), "xla_dump_to": dump, "xla_gpu_dump_llvmir": True, "xla_dump_emitter_re": ".*"}
         try:
             with jax.set_mesh(mesh):
                 compiled = jax.jit(fn, static_argnums=static_argnums).lower(*args).compile(compiler_options=options)
@@ -142,8 +139,19 @@ def compile_for_gpu(fn, *abstract_args, target: str = "h200", mesh=None, static_
     return GpuCompiled(compiled, memory, kernels, target)
 
 
+def compiler_options() -> dict:
+    """XLA options every deviceless GPU compile needs: the pip wheel's ptxas / libdevice, and no
+    device query for CUB's sort scratch size (sorts use XLA's fallback kernel)."""
+    return {"xla_gpu_cuda_data_dir": str(nvcc_dir()), "xla_gpu_deviceless_cub_mode": "DEVICELESS_CUB_DISABLED"}
+
+
+def device_memory_bytes(target: str) -> int:
+    """The target config's `device_memory_size` (bytes of HBM per GPU)."""
+    return int(re.search(r"device_memory_size: (\d+)", target_config(target)).group(1))
+
+
 @contextlib.contextmanager
-def _deviceless_lowering(target: str):
+def deviceless_lowering(target: str):
     """Lowering settings for a compile with no GPU present.
 
     Pallas' Triton backend looks the compute capability up by device kind; "NVIDIA H20" is not in

@@ -32,18 +32,25 @@ compiled SPMD-partitioned executable: memory from `compiled.memory_analysis()`, 
 loop trip counts, collectives from the HLO text (`hlo.py`; `NOTES`, copied into each report, says
 exactly what each number is).
 
-Compile target: the process's devices; plan mode normally runs on a virtual CPU mesh
-(`ensure_virtual_devices`, which must run before JAX starts), with LLVM optimisation off
-(`FAST_CPU_COMPILE`; the plan never runs code). XLA:CPU differs from a GPU build in ways the
-numbers show: `lax.ragged_dot` (the MoE) is lowered densely over the local experts, and bf16
-collectives are converted to f32. Treat bytes as an estimate of the GPU plan, exact for arguments.
+Compile target (`target`, the config's `plan.target`): "h20" / "h200" compile every program with
+XLA's GPU compiler, deviceless (`kernels.aot`, the gpu-aot extra), for a topology of hosts x 8 GPUs
+(`targets.topology_for`: 32 -> 4x1x8; up to 8 GPUs, one host), judge `fits` against the target's
+memory x the launcher's XLA_PYTHON_CLIENT_MEM_FRACTION (0.92), and model each program's time per
+call from its FLOPs, HBM traffic and collective bytes by link (`hlo_traffic`,
+`targets.modeled_time`; the assumed speeds are in the report). "cpu": the process's devices; plan
+mode normally runs on a virtual CPU mesh (`ensure_virtual_devices`, which must run before JAX
+starts), with LLVM optimisation off (`FAST_CPU_COMPILE`; the plan never runs code). XLA:CPU differs
+from a GPU build in ways the numbers show: `lax.ragged_dot` (the MoE) is lowered densely over the
+local experts, and bf16 collectives are converted to f32. Treat its bytes as an estimate of the GPU
+plan, exact for arguments; it models no time.
 
-Modules: hlo (HLO text parsing and counting, pure Python), devices (virtual devices, no JAX at
-import), capacity, abstract (abstract state / caches / inputs), programs (the program builders),
-measure (compile and read the executable), static (the analytic report part), report (verdict,
-NOTES, the readable table; pure Python), planner (`plan`). Import from the modules (`glm52_jax.plan.planner.plan`,
-`glm52_jax.plan.devices.ensure_virtual_devices`): this package file imports nothing, so the devices
-module loads without JAX, before it starts.
+Modules: hlo (HLO text parsing and counting, pure Python), hlo_traffic (HBM bytes and collective
+bytes by link, pure Python), targets (plan.target, topology, speeds, modeled time; no JAX),
+devices (virtual devices, no JAX at import), capacity, abstract (abstract state / caches / inputs),
+programs (the program builders), measure (compile and read the executable), static (the analytic
+report part), report (verdict, NOTES, the readable table; pure Python), planner (`plan`). Import
+from the modules (`glm52_jax.plan.planner.plan`, `glm52_jax.plan.devices.ensure_virtual_devices`):
+this package file imports nothing, so the devices module loads without JAX, before it starts.
 
 Axis letters: P prompt tokens, S chunk tokens, G samples, R response tokens (= max_new_tokens),
 C cache capacity (slots), D model dim, E routed experts.

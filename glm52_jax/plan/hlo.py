@@ -9,10 +9,10 @@ per device. The counting rules (also in `plan.report.NOTES`):
                flagged. Fusions, calls, conditional branches and async wrappers (from their
                `async-start`) run once per caller; reducers and comparators (`to_apply` of any op
                but `call`) zero times, their work is counted on the op that applies them.
-  flops        as XLA's HloCostAnalysis: dot 2 * |out| * |contracted|, convolution 2 per
-               multiply-add over the valid (non-padding) window positions, elementwise 1 per
-               result element, transcendentals separately, reduce 1 per reduced input element,
-               reduce-window (window - 1) per result element.
+  flops        as XLA's HloCostAnalysis: dot (and XLA:GPU's cuBLAS GEMM custom calls) 2 * |out| *
+               |contracted|, convolution 2 per multiply-add over the valid (non-padding) window
+               positions, elementwise 1 per result element, transcendentals separately, reduce 1
+               per reduced input element, reduce-window (window - 1) per result element.
   collectives  all-gather, all-reduce, reduce-scatter, all-to-all and collective-permute: the bytes
                of the RESULT shape (the gathered array for all-gather, the shard for reduce-scatter;
                not wire traffic); async pairs counted once, at `*-done`.
@@ -41,6 +41,10 @@ _COLLECTIVE_OPS = {
     "all-to-all": "all-to-all", "ragged-all-to-all": "all-to-all",
     "collective-permute": "collective-permute", "collective-permute-done": "collective-permute",
 }
+COLLECTIVE_OPCODES = _COLLECTIVE_OPS  # opcode -> the collective kind it is counted as
+# XLA:GPU's library GEMMs: a custom call whose backend config carries the dot's dimension numbers.
+_GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
+_GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
 # The later halves of an async op name the same wrapped computation as its `async-start`: the
 # computation runs once, so only the start's edge counts.
 _ASYNC_FOLLOWERS = frozenset({"async-update", "async-done"})
@@ -249,6 +253,12 @@ def instr_flops(ins: Instr, shapes: dict[str, str]) -> tuple[float, float, bool]
         lhs = _operand_dims(operands(ins)[0], shapes)
         m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)
         contracted = [lhs[int(i)] for i in m.group(1).split(",") if i] if (m and lhs) else []
+        return 2.0 * math.prod(dims(ins.shape)) * math.prod(contracted), 0.0, True
+    if ins.opcode == "custom-call" and any(f'custom_call_target="{t}"' in ins.attrs for t in _GEMM_TARGETS):
+        # result (out, workspace): the first array is the product
+        lhs = _operand_dims(operands(ins)[0], shapes)
+        m = _GEMM_CONTRACTING.search(ins.attrs)
+        contracted = [lhs[int(i.strip('" '))] for i in m.group(1).split(",") if i.strip()] if (m and lhs) else []
         return 2.0 * math.prod(dims(ins.shape)) * math.prod(contracted), 0.0, True
     if ins.opcode == "convolution":
         return _conv_flops(ins, shapes), 0.0, False

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 
 from glm52_jax.plan.hlo import analyze_hlo
+from glm52_jax.plan.hlo_traffic import traffic
 from glm52_jax.plan.programs import Program
+from glm52_jax.plan.targets import GPU_TARGETS
 
 # Plan executables never run, so XLA:CPU need not optimise the machine code it emits: LLVM at -O0
 # without its expensive passes (tiny train program: compile 58 s -> 35 s). The new xtile
@@ -33,25 +37,36 @@ def _compile(lowered):
         jax.config.update("jax_persistent_cache_min_compile_time_secs", min_secs)
 
 
-def measure(program: Program, mesh, fast_compile: bool) -> dict[str, Any]:
-    """{"memory", "flops", "collectives", "largest_collectives", "loops", "seconds"} of `program`
-    compiled on `mesh` (see `report.NOTES` for what each number is)."""
+def measure(program: Program, mesh, fast_compile: bool, target: str = "cpu") -> dict[str, Any]:
+    """{"memory", "flops", "collectives", "largest_collectives", "loops", "traffic", "seconds"} of
+    `program` compiled on `mesh` (see `report.NOTES` for what each number is).
+
+    target: "cpu" compiles for the mesh's (virtual CPU) devices; "h20" / "h200" for the deviceless
+    CUDA devices of `mesh` (`kernels.aot.topology`), traced as a GPU program (`aot.deviceless_lowering`:
+    kernels="auto" picks the Pallas kernels, as on the device)."""
+    from glm52_jax.kernels import aot
+
     # keep_unused: arguments include state a program does not read (lm_head in prefill): it stays
     # resident on the device all the same, so it belongs in the per-device total.
     jit_kw = dict(program.jit_kwargs, keep_unused=True)
-    if fast_compile and jax.default_backend() == "cpu":
+    gpu = target in GPU_TARGETS
+    if gpu:
+        jit_kw["compiler_options"] = {**jit_kw.get("compiler_options", {}), **aot.compiler_options()}
+    elif fast_compile and jax.default_backend() == "cpu":
         jit_kw["compiler_options"] = {**jit_kw.get("compiler_options", {}), **FAST_CPU_COMPILE}
     t0 = time.perf_counter()
-    with jax.set_mesh(mesh):
-        lowered = jax.jit(program.fn, **jit_kw).lower(*program.args)
-    t1 = time.perf_counter()
-    compiled = _compile(lowered)
+    with aot.deviceless_lowering(target) if gpu else contextlib.nullcontext():
+        with jax.set_mesh(mesh):
+            lowered = jax.jit(program.fn, **jit_kw).lower(*program.args)
+        t1 = time.perf_counter()
+        compiled = _compile(lowered)
     t2 = time.perf_counter()
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
         cost = cost[0] if cost else {}
-    hlo = analyze_hlo(compiled.as_text())
+    text = compiled.as_text()
+    hlo = analyze_hlo(text)
     memory = {
         "argument_bytes": int(mem.argument_size_in_bytes),
         "output_bytes": int(mem.output_size_in_bytes),
@@ -69,5 +84,11 @@ def measure(program: Program, mesh, fast_compile: bool) -> dict[str, Any]:
         "collectives": hlo["collectives"],
         "largest_collectives": hlo["largest_collectives"],
         "loops": {"while_loops": hlo["while_loops"], "unknown_trip_count_loops": hlo["unknown_trip_count_loops"]},
+        "traffic": traffic(text, _hosts(mesh)),
         "seconds": {"lower": round(t1 - t0, 2), "compile": round(t2 - t1, 2)},
     }
+
+
+def _hosts(mesh) -> Sequence[int]:
+    """The host (process index) of every partition of programs compiled on `mesh`, in partition order."""
+    return [d.process_index for d in mesh.devices.flat]

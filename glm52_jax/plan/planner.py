@@ -13,11 +13,12 @@ from glm52_jax import choices
 from glm52_jax.model.kv_cache import slot_capacity
 from glm52_jax.model.options import ModelOptions
 from glm52_jax.parallel.rules import axis_rules
+from glm52_jax.plan import targets
 from glm52_jax.plan.abstract import abstract_model, tree_bytes, ways
 from glm52_jax.plan.devices import check_device_count
 from glm52_jax.plan.measure import measure
 from glm52_jax.plan.programs import BUILDERS, PlanSetup
-from glm52_jax.plan.report import NOTES, PROGRAMS, assess
+from glm52_jax.plan.report import PROGRAMS, assess, notes_for
 from glm52_jax.plan.static import static_report
 from glm52_jax.rl.update import AdamWConfig
 
@@ -42,6 +43,7 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
          programs: Iterable[str] = ("prefill", "decode", "train"), options=None, logprob_chunk: int = 1024,
          capacity_multiple: int = 256, donate_cache: bool = False, adamw=None, fast_compile: bool = True,
          prefill_mode: str = "chunked", samples_per_request: int = 0, probe_tokens: int = 0,
+         target: str = "cpu", topology: str | None = None,
          log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Lowers and compiles the run's programs on `mesh_spec` with abstract weights and inputs.
 
@@ -60,14 +62,31 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
       cache keeps the old one); decode always takes a donated cache, as the sampler gives it.
     fast_compile: on CPU, skip LLVM optimisation (`FAST_CPU_COMPILE`; the plan never runs code).
     adamw: `rl.update.AdamWConfig` of the train program (default: its defaults). log: progress lines.
+    target: "cpu" (the process's devices, normally virtual CPU ones; fits against `hbm_bytes`) or a GPU
+      target of `plan.targets.GPU_TARGETS`: every program compiled deviceless for CUDA on `topology`
+      ("HOSTSx1xGPUS"; default `targets.topology_for(mesh size)`), fits against the target's memory x
+      `targets.LAUNCHER_MEM_FRACTION`, and each program gets a modeled time (`targets.modeled_time`).
     Returns a JSON-serialisable dict (see `format_plan`); per-device numbers throughout.
     """
     programs = tuple(programs)
     _check_arguments(programs, gradient_mode, prefill_mode, lora, prompt_tokens=prompt_tokens,
                      max_new_tokens=max_new_tokens, num_samples=num_samples, chunk_size=chunk_size)
     say = log or (lambda msg: None)
-    check_device_count(mesh_spec)
-    mesh = mesh_spec.make(jax.devices()[: mesh_spec.size])
+    if target not in targets.TARGETS:
+        raise ValueError(f"plan: target must be one of {targets.TARGETS}, got {target!r}")
+    gpu = target in targets.GPU_TARGETS
+    if gpu:
+        from glm52_jax.kernels import aot
+
+        topology = topology or targets.topology_for(mesh_spec.size)
+        devices = aot.topology(target, topology).devices
+        if len(devices) != mesh_spec.size:
+            raise ValueError(f"plan: topology {topology} has {len(devices)} GPUs, mesh {mesh_spec.describe()} "
+                             f"needs {mesh_spec.size}")
+        mesh = mesh_spec.make(devices)
+    else:
+        check_device_count(mesh_spec)
+        mesh = mesh_spec.make(jax.devices()[: mesh_spec.size])
     dtype = jnp.dtype(dtype)
     opts = dataclasses.replace(options or ModelOptions(), param_dtype=dtype, lora=lora)
     adamw = adamw or AdamWConfig()
@@ -86,7 +105,10 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
                           samples_per_request, probe_tokens, probe_capacity)
         report = static_report(setup, mesh_spec, lora, dtype)
         report["issues"] = []
-        report["notes"] = list(NOTES)
+        report["notes"] = notes_for(target)
+        report["target"] = _target_record(target, topology if gpu else None, hbm_bytes)
+        if gpu:
+            report["mesh"]["platform"] = f"cuda (deviceless {target}, topology {topology})"
         report["programs"] = {}
         for name in programs:
             program = BUILDERS[name](setup, adamw)
@@ -96,17 +118,34 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
             say(f"plan: lowering and compiling {name} ...")
             entry = {"what": program.what, "calls_per_transaction": program.calls,
                      "input_bytes_per_device": tree_bytes(program.args, per_device=True)}
-            entry.update(measure(program, mesh, fast_compile))
+            entry.update(measure(program, mesh, fast_compile, target))
             fl = entry["flops"]
             # A grouped GEMM does 1/E of the dense lowering's work (see NOTES); balanced routing assumed.
             fl["flops_executed_grouped_gemm_estimate"] = (
                 fl["flops_executed"] - fl["ragged_dot_flops_executed"] * (1 - 1 / model_cfg.n_routed_experts))
+            # Left out for the CPU target: XLA:CPU's FLOPs and buffers are not a GPU's.
+            entry["time"] = targets.modeled_time(entry, targets.SPEEDS[target]) if gpu else None
             mem = entry["memory"]
             say(f"plan: {name}: total {mem['total_bytes'] / 1e9:.2f} GB/device, "
-                f"compile {entry['seconds']['compile']} s")
+                f"compile {entry['seconds']['compile']} s"
+                + (f", modeled {entry['time']['modeled_s']:.4g} s" if gpu else ""))
             report["programs"][name] = entry
     if not report["programs"]:
         raise ValueError(f"plan: none of the programs {programs} runs in this configuration (the probe's need "
                          "search.probe_tokens > 0)")
-    assess(report, hbm_bytes)
+    assess(report, report["target"]["budget_bytes"])
     return report
+
+
+def _target_record(target: str, topology: str | None, hbm_bytes: float) -> dict[str, Any]:
+    """What the plan was compiled for and judged against (the report's "target")."""
+    if target not in targets.GPU_TARGETS:
+        return {"name": target, "topology": None, "device_memory_bytes": float(hbm_bytes), "memory_fraction": 1.0,
+                "budget_bytes": targets.budget_bytes(target, hbm_bytes, None), "speeds": None}
+    from glm52_jax.kernels import aot
+
+    device_memory = aot.device_memory_bytes(target)
+    return {"name": target, "topology": topology, "device_memory_bytes": device_memory,
+            "memory_fraction": targets.LAUNCHER_MEM_FRACTION,
+            "budget_bytes": targets.budget_bytes(target, hbm_bytes, device_memory),
+            "speeds": targets.speeds_record(target)}

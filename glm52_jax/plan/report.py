@@ -8,6 +8,7 @@ from typing import Any
 
 from glm52_jax import choices
 from glm52_jax.plan.hlo import COLLECTIVE_KINDS
+from glm52_jax.plan.targets import GPU_TARGETS, MODEL_NOTES
 
 PROGRAMS = choices.PLAN_PROGRAMS  # what `plan` can compile
 # What a GRPO transaction runs; "forward" is a reference.
@@ -33,6 +34,20 @@ NOTES = (
     "XLA:CPU converts bf16 collectives to f32 (convert before all-gather / all-reduce), doubling those buffers "
     "relative to a GPU build",
 )
+
+
+_CPU_ONLY_NOTE = "XLA:CPU converts bf16 collectives"
+
+
+def notes_for(target: str) -> list[str]:
+    """NOTES as they apply to a plan compiled for `target` (the GPU's add the modeled-time rules)."""
+    if target not in GPU_TARGETS:
+        return list(NOTES)
+    return [n for n in NOTES if not n.startswith(_CPU_ONLY_NOTE)] + [
+        "GPU target: compiled deviceless by XLA:GPU (no autotuning: default GEMM tiles); xla_flops is 0 there "
+        "(cost_analysis() returns None deviceless: use flops_executed); XLA:GPU also lowers lax.ragged_dot densely "
+        "(../shared/research/gpu_aot/README.md section 4), so the ragged_dot note holds",
+        *MODEL_NOTES]
 
 
 def assess(report: dict[str, Any], hbm_bytes: float) -> dict[str, Any]:
@@ -117,8 +132,30 @@ def format_plan(report: dict[str, Any]) -> str:
             source = c["function"] or c["op_name"][-60:]
             lines.append(f"  {name:<8} {c['kind']:<18} {c['bytes'] / cs:9.3f} x{c['times']:<5} "
                          f"{c['shape'][:48]:<48} {source}")
+    lines += _time_lines(report)
     lines += ["", f"largest transaction program: {report['largest_program']} {report['largest_total_bytes'] / 1e9:.3f} "
                   f"GB vs HBM {report['hbm_bytes'] / 1e9:.1f} GB -> {'fits' if report['fits'] else 'DOES NOT FIT'}"]
     for issue in report.get("issues", []):
         lines.append(f"issue: {issue}")
     return "\n".join(lines)
+
+
+def _time_lines(report: dict[str, Any]) -> list[str]:
+    """The modeled-time table of a GPU plan (none for the CPU target, which models no time)."""
+    timed = {n: p for n, p in report["programs"].items() if p.get("time")}
+    if not timed:
+        return []
+    target = report["target"]
+    lines = ["", f"modeled time per call on {target['name']} (topology {target['topology']}): "
+                 f"{target['speeds']['source']}; modeled = max(compute, memory) + communication, no overlap",
+             f"{'program':<13} {'TFLOP':>10} {'HBM GB':>10} {'NVLink GB':>10} {'net GB':>10} {'compute s':>10} "
+             f"{'memory s':>10} {'comm s':>10} {'modeled s':>10} {'calls':>6}"]
+    for name, p in timed.items():
+        t, tr = p["time"], p["traffic"]
+        cells = (p["flops"]["flops_executed"] / 1e12, tr["memory_bytes_executed"] / 1e9,
+                 tr["collective_bytes_executed_within_host"] / 1e9, tr["collective_bytes_executed_across_hosts"] / 1e9,
+                 t["compute_s"], t["memory_s"], t["communication_s"], t["modeled_s"])
+        lines.append(f"{name:<13} " + " ".join(f"{c:10.4g}" for c in cells) + f" {p['calls_per_transaction']:6d}")
+    lines.append(f"budget per device: {target['device_memory_bytes'] / 2**30:.2f} GiB x {target['memory_fraction']} "
+                 f"(XLA_PYTHON_CLIENT_MEM_FRACTION of launch/run_node.sh) = {target['budget_bytes'] / 1e9:.2f} GB")
+    return lines

@@ -1,0 +1,106 @@
+"""Plan mode on XLA's GPU compiler (`plan(..., target="h20")`): a 2-layer tiny model (a dense layer, then
+an MoE layer with 8 routed experts) compiled deviceless for CUDA on 2 hosts x 4 H20s (topology 2x1x4,
+folded CP8/EP8) and on one H20. Skips without the CUDA plugin (the gpu-aot extra of scripts/setup.sh).
+
+One program (the uncached forward, the cheapest that holds every weight) per mesh keeps the compiles
+to ~15 s; the transaction's own programs on the same topology are the slow test at the end.
+"""
+
+import jax.numpy as jnp
+import pytest
+
+from glm52_jax import config
+from glm52_jax.kernels import aot
+from glm52_jax.model.lora import LoRAConfig
+from glm52_jax.model.options import ModelOptions
+from glm52_jax.parallel.mesh import MeshSpec
+from glm52_jax.plan.planner import plan
+from glm52_jax.plan.report import format_plan
+from glm52_jax.plan.targets import LAUNCHER_MEM_FRACTION
+
+pytestmark = pytest.mark.skipif(aot.missing() is not None, reason=f"deviceless GPU compiles: {aot.missing()}")
+
+CFG = config.tiny(num_hidden_layers=2, indexer_types=("full", "shared"))
+OPTS = ModelOptions(indexer_query_block=16, indexer_key_block=16, attention_query_block=8)
+SHAPES = dict(prompt_tokens=96, max_new_tokens=8, num_samples=2, gradient_mode="response_only",
+              lora=LoRAConfig(rank=4, alpha=8.0), dtype=jnp.bfloat16, chunk_size=32, options=OPTS, target="h20")
+FOLDED = MeshSpec(context=8, expert=8, folded=True)
+
+
+@pytest.fixture(scope="module")
+def eight():
+    return plan(CFG, FOLDED, programs=("forward",), topology="2x1x4", **SHAPES)
+
+
+@pytest.fixture(scope="module")
+def one():
+    return plan(CFG, MeshSpec(), programs=("forward",), **SHAPES)
+
+
+def test_per_device_memory_and_the_budget(eight):
+    target, forward = eight["target"], eight["programs"]["forward"]
+    assert (target["name"], target["topology"]) == ("h20", "2x1x4")
+    assert eight["mesh"]["platform"] == "cuda (deviceless h20, topology 2x1x4)"
+    # The budget: the target config's memory (h20_approx.txtpb) x the launcher's memory fraction.
+    assert target["device_memory_bytes"] == aot.device_memory_bytes("h20") == 102_046_367_744
+    assert eight["hbm_bytes"] == target["budget_bytes"] == pytest.approx(102_046_367_744 * LAUNCHER_MEM_FRACTION)
+    mem = forward["memory"]
+    assert mem["argument_bytes"] > 0 and mem["output_bytes"] > 0 and mem["temp_bytes"] > 0 and mem["alias_bytes"] >= 0
+    assert mem["total_bytes"] == mem["argument_bytes"] + mem["output_bytes"] + mem["temp_bytes"] - mem["alias_bytes"]
+    # Arguments are exactly the device's shards of the state and the ids (keep_unused).
+    assert mem["argument_bytes"] == forward["input_bytes_per_device"]
+    assert forward["fits"] and eight["fits"] and eight["largest_program"] == "forward"
+
+
+def test_modeled_time_from_the_reported_numbers(eight):
+    forward, speeds = eight["programs"]["forward"], eight["target"]["speeds"]
+    t, tr = forward["time"], forward["traffic"]
+    assert forward["flops"]["flops_executed"] > 0 and tr["memory_bytes_executed"] > 0
+    assert t["compute_s"] == pytest.approx(forward["flops"]["flops_executed"] / speeds["flops_per_s"])
+    assert t["memory_s"] == pytest.approx(tr["memory_bytes_executed"] / speeds["hbm_bytes_per_s"])
+    assert t["communication_s"] == pytest.approx(
+        tr["collective_bytes_executed_within_host"] / speeds["nvlink_bytes_per_s"]
+        + tr["collective_bytes_executed_across_hosts"] / speeds["network_bytes_per_s"])
+    assert t["modeled_s"] == pytest.approx(max(t["compute_s"], t["memory_s"]) + t["communication_s"])
+    assert t["modeled_s"] > t["communication_s"] > 0
+    # The one 8-way axis spans both hosts: every collective byte crosses them, none stays on NVLink.
+    assert tr["collectives_with_unknown_groups"] == 0 and tr["collective_bytes_executed_within_host"] == 0
+    assert tr["collective_bytes_executed_across_hosts"] == sum(
+        c["bytes_executed"] for c in forward["collectives"].values()) > 0
+    # The assumptions are in the report and its table.
+    assert speeds["source"].startswith("H20: 148 TFLOPS bf16") and "25 GB/s per GPU" in speeds["source"]
+    assert any(n.startswith("modeled time per program call") and "no overlap" in n for n in eight["notes"])
+    assert not any(n.startswith("XLA:CPU converts bf16") for n in eight["notes"])
+    table = format_plan(eight)
+    assert "modeled time per call on h20 (topology 2x1x4)" in table and "x 0.92" in table
+
+
+def test_sharded_weights_fall_by_the_expert_axis(eight, one):
+    """The routed-expert stack (and its LoRA) is split 8 ways over the expert axis, the rest replicated:
+    the compiled per-device arguments fall by exactly 7/8 of the stack from one H20 to eight."""
+    moe_layers = CFG.num_hidden_layers - CFG.first_k_dense_replace
+    stack = moe_layers * CFG.n_routed_experts * 3 * CFG.hidden_size * CFG.moe_intermediate_size * 2  # bf16 gate/up/down
+    m1, m8 = one["model"], eight["model"]
+    assert m1["param_bytes"] == m8["param_bytes"] and m1["param_bytes_per_device"] == m1["param_bytes"]
+    assert m8["param_bytes"] - m8["param_bytes_per_device"] == stack * 7 // 8 > 0
+    expert_lora = (m8["lora_bytes"] - m8["lora_bytes_per_device"]) * 8 // 7
+    assert expert_lora > 0 and (m8["lora_bytes"] - m8["lora_bytes_per_device"]) * 8 % 7 == 0
+    ids_1, ids_8 = 96 * 4, 96 * 4 // 8  # int32 ids [1, 96], split over the sequence axis
+    args_1 = one["programs"]["forward"]["memory"]["argument_bytes"]
+    args_8 = eight["programs"]["forward"]["memory"]["argument_bytes"]
+    assert args_1 == m1["param_bytes"] + m1["lora_bytes"] + ids_1
+    assert args_1 - args_8 == (stack + expert_lora) * 7 // 8 + ids_1 - ids_8
+    assert one["target"]["topology"] == "1x1x1" and not any(
+        c["bytes"] for c in one["programs"]["forward"]["collectives"].values())
+
+
+@pytest.mark.slow
+def test_transaction_programs_on_two_hosts():
+    """Prefill chunk, decode and the response_only train step on 2x1x4: each fits with a modeled time."""
+    report = plan(CFG, FOLDED, programs=("prefill", "decode", "train"), topology="2x1x4", **SHAPES)
+    for name, p in report["programs"].items():
+        t = p["time"]
+        assert p["fits"] and p["memory"]["total_bytes"] > 0, name
+        assert t["modeled_s"] == pytest.approx(max(t["compute_s"], t["memory_s"]) + t["communication_s"]), name
+        assert t["modeled_s"] > 0, name
+    assert report["programs"]["decode"]["flops"]["flops_executed"] > 0
