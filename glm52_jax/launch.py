@@ -147,7 +147,7 @@ def _plan(spec) -> dict:
     from glm52_jax.plan.planner import plan
     from glm52_jax.plan.report import format_plan
     from glm52_jax.rl.inputs import check_capacity, model_config
-    from glm52_jax.rl.settings import lora_config
+    from glm52_jax.rl.settings import lora_config, model_options
 
     cfg, _, scaling_source, source = model_config(spec.model, preset_without_checkpoint=True)
     check_capacity(cfg, spec, scaling_source)
@@ -157,7 +157,7 @@ def _plan(spec) -> dict:
                   gradient_mode=spec.train.gradient_mode, lora=lora_config(spec.model),
                   dtype=spec.model.jnp_dtype(), chunk_size=s.chunk_size, prefill_mode=s.prefill_mode,
                   hbm_bytes=spec.plan.hbm_gib * 2**30, programs=spec.plan.programs, target=spec.plan.target,
-                  log=_log)
+                  options=model_options(spec.model), log=_log)
     report["model_source"] = source
     _log(format_plan(report))
     if FLAGS.workdir:
@@ -199,13 +199,15 @@ def _one_line(error: BaseException) -> str | None:
     """The message of an expected failure (bad settings, another run's or a broken checkpoint)."""
     from glm52_jax.checkpoint.train_state import CheckpointCorruptError, CheckpointMismatchError
     from glm52_jax.evidence.receipt import EvidenceError
+    from glm52_jax.kernels.aot import SharedMemoryError
     from glm52_jax.parallel.placement import ReplicatedArrayError
     from glm52_jax.rl.processes import ProcessDivergenceError
     from glm52_jax.run_config import ConfigError
 
     kinds = {ConfigError: "config error", CheckpointMismatchError: "resume error",
              CheckpointCorruptError: "checkpoint error", EvidenceError: "evidence error",
-             ProcessDivergenceError: "process error", ReplicatedArrayError: "audit error"}
+             ProcessDivergenceError: "process error", ReplicatedArrayError: "audit error",
+             SharedMemoryError: "plan error"}
     for kind, label in kinds.items():
         if isinstance(error, kind):
             return f"{label}: {error}"

@@ -412,7 +412,10 @@ def local_slice(x, index: tuple[int, ...] = ()) -> jax.Array:
     device = jax.local_devices()[0]
     if not isinstance(x, jax.Array) or x.is_fully_replicated:
         local = x.addressable_data(0) if isinstance(x, jax.Array) else jnp.asarray(x, device=device)
-        return jax.device_put(_local_index(local, pos), device)
+        # A one-device program: outside any enclosing `jax.set_mesh` (export code may run under one), whose
+        # devices jit would refuse to mix with this copy's single device.
+        with jax.set_mesh(None):
+            return jax.device_put(_local_index(local, pos), device)
     sharding = x.sharding
     if not isinstance(sharding, NamedSharding):
         raise ValueError(f"local_slice: cannot read an array sharded by {type(sharding).__name__}")

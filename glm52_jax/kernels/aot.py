@@ -33,7 +33,7 @@ from glm52_jax import kernels
 
 TARGETS = {"h200": "h200.txtpb", "h20": "h20_approx.txtpb"}
 _TARGET_DIR = Path(__file__).parent / "targets"
-_SHARED_MEMORY_MESSAGES = ("Shared memory size limit exceeded", "exceeds available shared memory")
+SHARED_MEMORY_MESSAGES = ("Shared memory size limit exceeded", "exceeds available shared memory")
 
 
 class SharedMemoryError(RuntimeError):
@@ -130,7 +130,7 @@ def compile_for_gpu(fn, *abstract_args, target: str = "h200", mesh=None, static_
                 compiled = jax.jit(fn, static_argnums=static_argnums).lower(*args).compile(compiler_options=options)
         except Exception as err:  # XLA raises JaxRuntimeError; Mosaic GPU a ValueError
             message = str(err)
-            if any(m in message for m in _SHARED_MEMORY_MESSAGES):
+            if any(m in message for m in SHARED_MEMORY_MESSAGES):
                 raise SharedMemoryError(f"{target}: {message.strip()}") from err
             raise
         kernels = _kernel_resources(Path(dump))

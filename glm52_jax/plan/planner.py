@@ -118,7 +118,18 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
             say(f"plan: lowering and compiling {name} ...")
             entry = {"what": program.what, "calls_per_transaction": program.calls,
                      "input_bytes_per_device": tree_bytes(program.args, per_device=True)}
-            entry.update(measure(program, mesh, fast_compile, target))
+            try:
+                entry.update(measure(program, mesh, fast_compile, target))
+            except Exception as err:  # XLA's JaxRuntimeError; a kernel too large for the target is the user's to fix
+                from glm52_jax.kernels import aot
+
+                if gpu and any(m in str(err) for m in aot.SHARED_MEMORY_MESSAGES):
+                    first = str(err).strip().splitlines()[0]
+                    raise aot.SharedMemoryError(
+                        f"plan: program {name} does not compile for {target}: a Pallas kernel needs more shared "
+                        f"memory than the GPU has ({first}); plan the jnp path with "
+                        "--config.model.kernels=reference") from None
+                raise
             fl = entry["flops"]
             # A grouped GEMM does 1/E of the dense lowering's work (see NOTES); balanced routing assumed.
             fl["flops_executed_grouped_gemm_estimate"] = (

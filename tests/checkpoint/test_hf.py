@@ -663,3 +663,19 @@ def test_load_with_lora_options_attaches_fresh_adapters(tmp_path):
     ids = jnp.asarray([[3, 1, 4, 1, 5, 9, 2, 6]], jnp.int32)
     # B = 0: the adapted model computes the base model's logits.
     np.testing.assert_allclose(np.asarray(model(ids)), np.asarray(base(ids)), atol=1e-6)
+
+
+def test_local_slice_inside_a_mesh_context():
+    """Export code may run under `jax.set_mesh` (parity's torch bridge does): a replicated and a sharded array
+    are both sliced, with the same values as outside it."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from glm52_jax.checkpoint.hf import local_slice
+
+    mesh = jax.make_mesh((8,), ("x",))
+    values = np.arange(4 * 8 * 3, dtype=np.float32).reshape(4, 8, 3)
+    replicated = jax.device_put(values, NamedSharding(mesh, PartitionSpec()))
+    sharded = jax.device_put(values, NamedSharding(mesh, PartitionSpec(None, "x")))
+    with jax.set_mesh(mesh):
+        for x in (replicated, sharded):
+            np.testing.assert_array_equal(np.asarray(local_slice(x, (2,))), values[2])
