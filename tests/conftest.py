@@ -66,3 +66,14 @@ def _bounded_compiled_programs():
     if _THRESHOLD and map_count() > _THRESHOLD:
         jax.clear_caches()
         gc.collect()  # executables owned by objects in reference cycles
+
+
+# The longest files first (whole files go to one xdist worker each, in collection order): started last, a
+# several-minute file would run alone at the end while the other worker idles.
+LONGEST_FIRST = ("tests/rl/test_rehearsal.py", "tests/rl/test_parity.py", "tests/rl/test_transaction.py",
+                 "tests/rl/test_gradients.py", "tests/kernels/test_aot_sparse_mla.py", "tests/kernels/test_aot.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: file order kept

@@ -276,12 +276,14 @@ cached_response_logprobs_jit = jax.jit(cached_response_logprobs, static_argnames
 # Public entry point.
 
 
-def _check_inputs(prompt, responses, mask, old, adv):
+def check_inputs(prompt, responses, mask, old, adv, *, mask_name: str = "response_mask") -> None:
+    """Shapes of one gradient batch (numpy or jax): prompt [P] (P >= 2), responses / mask / old [G,R], adv [G];
+    a ValueError names the argument (`mask_name`: what the caller calls the mask)."""
     if prompt.ndim != 1 or prompt.shape[0] < 2:
         raise ValueError(f"prompt must be [P] token ids with P >= 2, got shape {prompt.shape}")
     if responses.ndim != 2 or responses.shape[1] < 1:
         raise ValueError(f"responses must be [G,R] token ids with R >= 1, got shape {responses.shape}")
-    for name, a in (("response_mask", mask), ("old_logprobs", old)):
+    for name, a in ((mask_name, mask), ("old_logprobs", old)):
         if a.shape != responses.shape:
             raise ValueError(f"{name} has shape {a.shape}, expected {responses.shape}")
     if adv.shape != responses.shape[:1]:
@@ -326,7 +328,7 @@ def lora_gradients(model: nnx.Module, prompt, responses, response_mask, old_logp
     prompt, responses = jnp.asarray(prompt, jnp.int32), jnp.asarray(responses, jnp.int32)
     mask = jnp.asarray(response_mask)
     old, adv = jnp.asarray(old_logprobs, jnp.float32), jnp.asarray(advantages, jnp.float32)
-    _check_inputs(prompt, responses, mask, old, adv)
+    check_inputs(prompt, responses, mask, old, adv)
     if prefix_cache is not None:
         if mode != "response_only":
             raise ValueError(f"prefix_cache is only used by response_only; {mode} differentiates through "

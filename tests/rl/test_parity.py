@@ -15,7 +15,8 @@ from glm52_jax.rl.inputs import resolve
 from glm52_jax.rl.parity import receipt_name, run_parity
 from tests.run_helpers import config_spec
 
-MESHES = ("folded=8", "context=4,expert=2")
+# folded=8 is slow for CI's budget (~140 s; passed in the CI run of 2026-12-05 and by hand).
+MESHES = (pytest.param("folded=8", marks=pytest.mark.slow), "context=4,expert=2")
 # The PyTorch bridge joins the one-device run when the `parity` extra is installed (~10 s more).
 HAS_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers", "peft"))
 
