@@ -47,7 +47,6 @@ from glm52_jax.checkpoint.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from glm52_jax.checkpoint.peft_load import load_peft_adapter
 from glm52_jax.checkpoint.safetensors_io import SafetensorsFile, write_safetensors
 from glm52_jax.model.lora import LoRA
-from glm52_jax.rl.gradients import check_inputs
 from glm52_jax.torch_bridge import grpo
 from glm52_jax.torch_bridge.policy import load_policy, write_policy
 
@@ -163,7 +162,17 @@ def grads_to_ours(model, peft_grads: dict[str, np.ndarray], adapter_dir: Path, o
 
 
 def _check(prompt, responses, mask, old_logprobs, advantages, modes) -> tuple[str, ...]:
-    check_inputs(prompt, responses, mask, old_logprobs, advantages, mask_name="mask")
+    # The same checks as rl.gradients.check_inputs, written out: rl imports this package (parity), so this
+    # package does not import rl.
+    if prompt.ndim != 1 or prompt.shape[0] < 2:
+        raise ValueError(f"prompt must be [P] token ids with P >= 2, got shape {prompt.shape}")
+    if responses.ndim != 2 or responses.shape[1] < 1:
+        raise ValueError(f"responses must be [G,R] token ids with R >= 1, got shape {responses.shape}")
+    for name, a in (("mask", mask), ("old_logprobs", old_logprobs)):
+        if a.shape != responses.shape:
+            raise ValueError(f"{name} has shape {a.shape}, expected {responses.shape}")
+    if advantages.shape != responses.shape[:1]:
+        raise ValueError(f"advantages has shape {advantages.shape}, expected {responses.shape[:1]}")
     modes = tuple(modes)
     unknown = [m for m in modes if m not in MODES and m not in EXACT_ALIASES]
     if unknown or not modes:

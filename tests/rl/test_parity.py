@@ -35,7 +35,10 @@ def one_device(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=MESHES)
 def on_mesh(request, tmp_path_factory):
-    return _run(tmp_path_factory, mesh=request.param)
+    modes = ("conventional", "response_only", "shared_prefix")
+    if request.param != "folded=8":  # CI's mesh: the exact mode only (response_only's mesh run is in folded=8's)
+        modes = ("conventional", "shared_prefix")
+    return _run(tmp_path_factory, mesh=request.param, **{"parity.modes": modes})
 
 
 def _receipt(run):
@@ -135,8 +138,9 @@ def test_mesh_parity_exports_the_same_gradients_shard_by_shard(one_device, on_me
         pair = result["pairs"]["shared_prefix"]
         assert pair["decision"] == "passed" and pair["families"]["all"]["rel_l2"] <= 1e-5, (case, pair["checks"])
         assert result["clipping"] == one["parity"]["cases"][case]["clipping"]
-        assert result["pairs"]["response_only"]["decision"] == "passed", (case, result["pairs"]["response_only"])
-        for mode in ("conventional", "response_only", "shared_prefix"):
+        modes = receipt["parity"]["modes"]
+        assert all(p["decision"] == "passed" for p in result["pairs"].values()), (case, result["pairs"])
+        for mode in modes:
             records = parity_shards.read_records(_artifacts(mesh_path) / case / mode, "shards", 1)
             assert sorted({r["device"] for r in records}) == list(range(8))
             sharded = parity_shards.assemble(_artifacts(mesh_path) / case / mode, "shards", 1)
