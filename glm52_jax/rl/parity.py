@@ -100,16 +100,23 @@ def _policy_state(spec: RunSpec, model) -> dict[str, Any]:
             "a": "fresh adapter init (uniform +-1/sqrt(fan_in), seed)"}
 
 
-def _state_hashes(model, optimizer) -> dict[str, str]:
-    import jax
+def _lora_sha256(model) -> str:
     from flax import nnx
 
-    from glm52_jax.evidence.hashing import sha256_bytes, state_sha256
+    from glm52_jax.evidence.hashing import state_sha256
     from glm52_jax.model.lora import LoRA
+
+    return state_sha256(nnx.state(model, LoRA))
+
+
+def _state_hashes(model, optimizer) -> dict[str, str]:
+    import jax
+
+    from glm52_jax.evidence.hashing import sha256_bytes
     from glm52_jax.parallel.placement import to_host
 
     moments = b"".join(np.ascontiguousarray(a).tobytes() for a in to_host(jax.tree.leaves(optimizer.opt_state)))
-    return {"lora_sha256": state_sha256(nnx.state(model, LoRA)), "optimizer_sha256": sha256_bytes(moments),
+    return {"lora_sha256": _lora_sha256(model), "optimizer_sha256": sha256_bytes(moments),
             "optimizer_step": optimizer.step}
 
 
@@ -167,7 +174,7 @@ def _parity(inputs, model, optimizer, writer, artifacts: Path, mesh_spec, log) -
         fixture_arrays[f"{case}/old_logprobs.npy"] = old
         runs = {}
         for mode in modes:
-            params_sha = _state_hashes(model, optimizer)["lora_sha256"]
+            params_sha = _lora_sha256(model)  # what this path starts from (the optimizer is checked once, after)
             log(f"parity {case}: {mode} gradients")
             out = lora_gradients(model, prompt, responses, mask, old, advantages, mode=mode, loss=loss_settings,
                                  prefix_cache=prefix if mode == "response_only" else None)
@@ -229,6 +236,8 @@ def _torch_runs(spec, model, prompt, responses, mask, olds, advantages, loss_set
     """The PyTorch bridge's results per case and mode (None unless parity.torch_reference)."""
     if not spec.parity.torch_reference:
         return None
+    from flax import nnx
+
     from glm52_jax.torch_bridge import torch_reference
 
     runs = {}
@@ -238,17 +247,11 @@ def _torch_runs(spec, model, prompt, responses, mask, olds, advantages, loss_set
             out = torch_reference(model, prompt, responses, mask, old, advantages, modes=modes, loss=loss_settings,
                                   scratch_dir=Path(scratch) / case)
             runs[case] = {mode: {"grads": {"/".join(map(str, p)): np.asarray(v.get_value())
-                                           for p, v in _flat(r.grads)},
+                                           for p, v in nnx.to_flat_state(r.grads)},
                                  "loss": float(r.loss), "logprobs": np.asarray(r.logprobs)}
                           for mode, r in out.items()}
             log(f"parity {case}: torch reference of {', '.join(modes)} done")
     return runs
-
-
-def _flat(state):
-    from flax import nnx
-
-    return nnx.to_flat_state(state)
 
 
 def _compare(spec, results, torch_runs, families, mask, olds, advantages, loss_settings, bounds, log) -> dict:
