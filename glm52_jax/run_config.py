@@ -166,6 +166,8 @@ class ModelSpec(_Section):
     rope_scaling_json: str = _rules()
     tokenizer: str = _rules()
     kernels: str = _rules(one_of(choices.KERNELS))
+    moe_transport: str = _rules(one_of(choices.MOE_TRANSPORTS))
+    moe_token_block: int = _rules(at_least(1))
     lora_rank: int = _rules(at_least(1))
     lora_alpha: float = _rules(number(0.0))
     lora_families: tuple[str, ...] = _rules(subset_of(choices.LORA_FAMILIES))

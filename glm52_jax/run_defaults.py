@@ -26,7 +26,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.dtype = "float32"  # base weights and activations: float32 or bfloat16
     c.model.rope_scaling_json = ""  # a YaRN payload file; "" = $GLM52_ROPE_SCALING_JSON if set, else native
     c.model.tokenizer = ""  # tokenizer.json or its dir; "" = the checkpoint's, else the project's tiny one
-    c.model.kernels = "auto"  # DSA kernels: auto (Pallas on GPU, reference jnp elsewhere), reference, pallas
+    c.model.kernels = "auto"  # DSA + expert grouped-matmul kernels: auto (Pallas on GPU, else jnp), reference, pallas
+    # Expert-parallel token exchange: auto (ragged_all_to_all on GPU, else dense), dense (fixed capacity), ragged
+    c.model.moe_transport = "auto"
+    c.model.moe_token_block = 1024  # tokens a device routes per expert-parallel exchange (buffers scale with it)
     c.model.lora_rank = 8  # LoRA rank r
     c.model.lora_alpha = 16.0  # LoRA scale = alpha / rank
     c.model.lora_families = choices.LORA_FAMILIES  # adapted weight families (attention, experts, ...)

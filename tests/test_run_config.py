@@ -85,6 +85,8 @@ def test_the_spec_and_the_launcher_start_without_jax():
     ("model.lora_rank", 0, "--config.model.lora_rank=0: must be >= 1"),
     ("model.dtype", "float16", "--config.model.dtype=float16: must be one of float32, bfloat16"),
     ("model.kernels", "cuda", "--config.model.kernels=cuda: must be one of auto, reference, pallas"),
+    ("model.moe_transport", "nccl", "--config.model.moe_transport=nccl: must be one of auto, dense, ragged"),
+    ("model.moe_token_block", 0, "--config.model.moe_token_block=0: must be >= 1"),
     ("parity.reference", "shared", "--config.parity.reference=shared: must be one of conventional"),
     ("parity.lora_b_std", 0.0, "--config.parity.lora_b_std=0.0: must be > 0"),
     ("parity.outliers", 0, "--config.parity.outliers=0: must be >= 1"),
@@ -168,17 +170,21 @@ def test_choices_are_the_ones_the_code_implements():
         choices.GRADIENT_MODES, choices.PREFILL_MODES, choices.LOSS_AGG_MODES, choices.LORA_FAMILIES)
     for kernels in choices.KERNELS:
         ModelOptions(kernels=kernels)
+    for transport in choices.MOE_TRANSPORTS:
+        ModelOptions(moe_transport=transport)
 
 
 def test_settings_build_the_objects_the_spec_configures():
     from glm52_jax.rl import settings
 
     spec = config_spec("tiny", **{"train.max_grad_norm": 0.5, "model.lora_families": ("attention", "unembed"),
-                                  "model.kernels": "reference"})
+                                  "model.kernels": "reference", "model.moe_transport": "ragged",
+                                  "model.moe_token_block": 256})
     lora = settings.lora_config(spec.model)
     assert (lora.rank, lora.alpha, lora.families) == (8, 16.0, frozenset({"attention", "unembed"}))
     options = settings.model_options(spec.model)
-    assert (str(options.param_dtype), options.kernels) == ("float32", "reference")
+    assert (str(options.param_dtype), options.kernels, options.moe_transport, options.moe_token_block) == (
+        "float32", "reference", "ragged", 256)
     adamw = settings.adamw(spec.train)
     assert (adamw.learning_rate, adamw.max_grad_norm, adamw.weight_decay) == (1e-4, 0.5, 0.0)
     loss = settings.loss_settings(spec.train)

@@ -32,8 +32,15 @@ Two transports (`impl`):
 - "ragged" (for GPU): `lax.ragged_all_to_all` sends exactly the rows each destination needs
   (send buffer T_local*K rows); the receive buffer is still sized for the worst case
   (N*T_local*K rows: every device's pairs to this one) because shapes are static. Offsets come
-  from an all-gather of the [N] per-destination counts. Only checked by lowering/exporting for
-  CUDA in the tests (XLA:CPU cannot compile it).
+  from an all-gather of the [N] per-destination counts. The results travel back in the activations'
+  dtype (bf16 on the real run: half the bytes of float32). Checked on CPU through an emulated
+  transport in the tests (XLA:CPU cannot compile it) and compiled deviceless for CUDA by plan mode.
+  "auto" picks ragged when the program is lowered for a GPU.
+
+Any token count runs expert-parallel (`pad_tokens`): a decode step's few tokens are padded with
+zero-weight tokens to one per token shard, so a device's tokens travel to the experts' owners and
+back and no device ever gathers the expert weights (GSPMD placing `experts_ragged` on sharded
+experts all-gathered a layer's whole expert stack, 6.4 GB at GLM-5.2 sizes, per layer and step).
 
 Axis letters: T tokens (L: this device's tokens), D model, I expert intermediate, E experts
 (El = E/N local experts), K experts per token, N expert-axis size, C = L*K rows per destination,
@@ -48,6 +55,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from glm52_jax.choices import MOE_TRANSPORTS
+from glm52_jax.kernels import targets_gpu
 from glm52_jax.model.grouped_mlp import ExpertAdapters, experts_ragged, grouped_swiglu, lora_arrays
 from glm52_jax.parallel.rules import logical_to_spec
 
@@ -77,17 +86,19 @@ def default_axes(mesh) -> tuple[str | None, tuple[str, ...]]:
     return expert_axis, tokens
 
 
-def _local_experts(rows: jax.Array, local_ids: jax.Array, n_local: int, w_gate, w_up, w_down, lora):
+def _local_experts(rows: jax.Array, local_ids: jax.Array, n_local: int, w_gate, w_up, w_down, lora, kernels,
+                   rows_hint):
     """SwiGLU of this device's experts on received rows, in any order.
 
     `rows: [R,D]`, `local_ids: [R]` in [0, El] (El = padding), `lora`: `grouped_mlp.ExpertLoRA` on the
     local expert shards or None -> `[R,D]` float32, same row order; padding rows give zeros. Sorting
     by local expert makes each expert's rows contiguous for `grouped_swiglu`; padding (id El) sorts
-    last and lies outside every group.
+    last and lies outside every group. kernels / rows_hint: as in `grouped_swiglu` (rows_hint: the rows
+    expected to arrive with balanced routing, for plan mode's FLOP count of the grouped-matmul kernel).
     """
     order = jnp.argsort(local_ids, stable=True)
     group_sizes = jnp.bincount(local_ids, length=n_local).astype(jnp.int32)  # id El falls outside `length`
-    y = grouped_swiglu(rows[order], group_sizes, w_gate, w_up, w_down, lora)
+    y = grouped_swiglu(rows[order], group_sizes, w_gate, w_up, w_down, lora, kernels, rows_hint)
     # Undo the sort: row order[j] of the input is row j of y.
     return jnp.zeros_like(y).at[order].set(y)
 
@@ -111,7 +122,7 @@ def _dispatch_plan(experts: jax.Array, n_local: int, n_dev: int):
     return order, dest, slot, counts, starts, (sorted_e % n_local).astype(jnp.int32)
 
 
-def _dense_body(x, weights, experts, w_gate, w_up, w_down, lora, *, axis, n_dev):
+def _dense_body(x, weights, experts, w_gate, w_up, w_down, lora, *, axis, n_dev, kernels):
     """Per-device body of the fixed-capacity all-to-all path (see the module docstring)."""
     tokens, k = experts.shape
     n_local = w_gate.shape[0]
@@ -125,14 +136,15 @@ def _dense_body(x, weights, experts, w_gate, w_up, w_down, lora, *, axis, n_dev)
     # source on axis 0, so recv[s] is what device s sent here.
     recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)
     recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0, tiled=True)
-    y = _local_experts(recv.reshape(n_dev * cap, -1), recv_ids.reshape(-1), n_local, w_gate, w_up, w_down, lora)
+    y = _local_experts(recv.reshape(n_dev * cap, -1), recv_ids.reshape(-1), n_local, w_gate, w_up, w_down, lora,
+                       kernels, cap)
     # Send every result back to the slot it came from; back[d, c] answers send[d, c].
     back = jax.lax.all_to_all(y.reshape(n_dev, cap, -1), axis, 0, 0, tiled=True)
     y_pairs = back[dest, slot] * weights.reshape(-1)[order][:, None]
     return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(y_pairs)
 
 
-def _ragged_body(x, weights, experts, w_gate, w_up, w_down, lora, *, axis, n_dev):
+def _ragged_body(x, weights, experts, w_gate, w_up, w_down, lora, *, axis, n_dev, kernels):
     """Per-device body of the `ragged_all_to_all` path (GPU; XLA:CPU cannot compile it)."""
     tokens, k = experts.shape
     n_local = w_gate.shape[0]
@@ -152,37 +164,39 @@ def _ragged_body(x, weights, experts, w_gate, w_up, w_down, lora, *, axis, n_dev
                                      out_offsets, recv_sizes, axis_name=axis)
     recv_ids = jax.lax.ragged_all_to_all(local, jnp.full((recv_cap,), n_local, jnp.int32), starts, counts,
                                          out_offsets, recv_sizes, axis_name=axis)
-    y = _local_experts(recv, recv_ids, n_local, w_gate, w_up, w_down, lora)
+    # Results go back in the activations' dtype (bf16 payload on the real run).
+    y = _local_experts(recv, recv_ids, n_local, w_gate, w_up, w_down, lora, kernels, rows).astype(x.dtype)
     # Reverse: my received chunk from s goes back to s, at the offset it was sent from there.
     back_offsets = (jnp.cumsum(counts_all, axis=1) - counts_all)[:, me]  # [N], indexed by source
     back = jax.lax.ragged_all_to_all(y, jnp.zeros((rows, y.shape[-1]), y.dtype), recv_offsets, recv_sizes,
                                      back_offsets, counts, axis_name=axis)
-    y_pairs = back * weights.reshape(-1)[order][:, None]
+    y_pairs = back.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(y_pairs)
 
 
 def experts_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                w_down: jax.Array, lora: ExpertAdapters | None = None, *,
                mesh=None, expert_axis: str | None = None, token_axes: Sequence[str] | None = None,
-               impl: str = "dense", token_block: int | None = None) -> jax.Array:
+               impl: str = "dense", token_block: int | None = None, kernels: str = "reference") -> jax.Array:
     """Expert-parallel `experts_ragged`: `x: [T,D], weights/experts: [T,K]`, `w_*: [E,D,I] / [E,I,D]` -> [T,D] f32.
 
     `lora`: None or the (gate, up, down) routed-expert `Adapter`s (A [E,in,r], B [E,r,out]).
     `mesh`: default the current (abstract) mesh (`jax.set_mesh`). `expert_axis` / `token_axes`:
     default from the logical rules (`default_axes`). Falls back to `experts_ragged` when there is
     no mesh or the expert axis has size 1. T must divide by the product of the token axes' sizes
-    and E by the expert axis size. `impl`: "dense" (CPU-runnable) or "ragged" (GPU).
+    and E by the expert axis size (`pad_tokens` makes any count divide). `impl`: "dense" (CPU-runnable),
+    "ragged" (GPU) or "auto" (ragged when lowering for a GPU). `kernels`: as in `grouped_swiglu`.
     `token_block`: route at most this many of a device's tokens per exchange (`lax.map` over
     blocks; None: all at once). The exchange buffers scale with it, not with the device's tokens.
     """
     if mesh is None:
         mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
-        return experts_ragged(x, weights, experts, w_gate, w_up, w_down, lora)
+        return experts_ragged(x, weights, experts, w_gate, w_up, w_down, lora, kernels)
     auto_expert, auto_tokens = default_axes(mesh)
     expert_axis = auto_expert if expert_axis is None else expert_axis
     if expert_axis is None or mesh.shape[expert_axis] == 1:
-        return experts_ragged(x, weights, experts, w_gate, w_up, w_down, lora)
+        return experts_ragged(x, weights, experts, w_gate, w_up, w_down, lora, kernels)
     token_axes = tuple(auto_tokens if token_axes is None else token_axes)
     if expert_axis not in token_axes:
         raise ValueError(f"token_axes {token_axes} must include the expert axis {expert_axis!r}")
@@ -195,8 +209,10 @@ def experts_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax
         raise ValueError(f"{num_experts} experts do not divide over {expert_axis}={n_dev}")
     if x.shape[0] % n_tok:
         raise ValueError(f"{x.shape[0]} tokens do not divide over {token_axes} ({n_tok} shards)")
-    if impl not in ("dense", "ragged"):
-        raise ValueError(f"impl: expected 'dense' or 'ragged', got {impl!r}")
+    if impl not in MOE_TRANSPORTS:
+        raise ValueError(f"impl: expected one of {MOE_TRANSPORTS}, got {impl!r}")
+    if impl == "auto":
+        impl = "ragged" if targets_gpu() else "dense"
 
     # Only the adapter arrays cross the shard_map boundary (sharded on E); the scales stay static floats.
     lora_global = lora_arrays(lora) or (None, None, None)
@@ -210,7 +226,8 @@ def experts_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax
         lora_local = tuple(None if ab is None else (*ab, s) for ab, s in zip(lora_ab, lora_scales, strict=True))
 
         def run(x, weights, experts):
-            return body(x, weights, experts, w_gate, w_up, w_down, lora_local, axis=expert_axis, n_dev=n_dev)
+            return body(x, weights, experts, w_gate, w_up, w_down, lora_local, axis=expert_axis, n_dev=n_dev,
+                        kernels=kernels)
 
         local = x.shape[0]
         if token_block is None or local <= token_block:
@@ -227,22 +244,39 @@ def experts_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax
         y = jax.lax.map(lambda args: run(*args), (split(x), split(weights), split(experts)))
         return y.reshape(blocks * token_block, -1)[:local]
 
-    fn = jax.shard_map(per_device, mesh=mesh, in_specs=(tok, tok, tok, exp, exp, exp, lora_specs), out_specs=tok)
+    # check_vma=False: the grouped-matmul Pallas kernel declares no per-axis variance of its outputs (every
+    # input and output here is sharded, so nothing relies on the replication checks).
+    fn = jax.shard_map(per_device, mesh=mesh, in_specs=(tok, tok, tok, exp, exp, exp, lora_specs), out_specs=tok,
+                       check_vma=False)
     return fn(x, weights, experts, w_gate, w_up, w_down, lora_ab)
 
 
-def ep_applicable(num_tokens: int, num_experts: int, mesh=None) -> bool:
-    """Whether `experts_ep` splits the work under `mesh` (default: the current one): the experts
-    axis is wider than 1 and tokens and experts divide evenly over their shards. Otherwise (no mesh,
-    a few decode tokens) the caller runs `experts_ragged` and lets GSPMD place it."""
+def token_shards(num_experts: int, mesh=None) -> int:
+    """How many shards `experts_ep` splits the tokens into under `mesh` (default: the current one), or 0
+    when it does not apply (no mesh, an expert axis of size 1, or experts that do not divide over it)."""
     if mesh is None:
         mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
-        return False
+        return 0
     expert_axis, token_axes = default_axes(mesh)
-    if expert_axis is None or mesh.shape[expert_axis] == 1:
-        return False
+    if expert_axis is None or mesh.shape[expert_axis] == 1 or num_experts % mesh.shape[expert_axis]:
+        return 0
     n_tok = 1
     for a in token_axes:
         n_tok *= mesh.shape[a]
-    return num_experts % mesh.shape[expert_axis] == 0 and num_tokens % n_tok == 0
+    return n_tok
+
+
+def pad_tokens(x: jax.Array, weights: jax.Array, experts: jax.Array, shards: int, num_experts: int):
+    """Pads `x: [T,D]`, `weights / experts: [T,K]` to a multiple of `shards` tokens.
+
+    Pad tokens have zero rows and zero routing weights (they add nothing to any output or gradient)
+    and are routed round-robin over the experts, so no device's experts get them all.
+    """
+    pad = -x.shape[0] % shards
+    if not pad:
+        return x, weights, experts
+    k = experts.shape[1]
+    spread = (jnp.arange(pad * k, dtype=experts.dtype) % num_experts).reshape(pad, k)
+    return (jnp.pad(x, ((0, pad), (0, 0))), jnp.pad(weights, ((0, pad), (0, 0))),
+            jnp.concatenate([experts, spread]))

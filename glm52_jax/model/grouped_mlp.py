@@ -23,6 +23,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from glm52_jax.kernels import use_pallas
+from glm52_jax.kernels.grouped_matmul import grouped_matmul, supported
 from glm52_jax.model.lora import Adapter
 
 LoRAArrays = tuple[jax.Array, jax.Array, float]  # (A [E,in,r], B [E,r,out], scale = alpha / r)
@@ -49,42 +51,75 @@ def ragged_lora_delta(xs: jax.Array, lora: LoRAArrays, group_sizes: jax.Array) -
     return y * scale
 
 
-def _ragged(xs: jax.Array, w: jax.Array, group_sizes: jax.Array, lora: LoRAArrays | None) -> jax.Array:
-    """`xs: [M,in]` times each row's expert kernel `w: [E,in,out]` (+ LoRA) -> [M,out] float32."""
+def row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
+    """`group_sizes: [E]` -> `[M]` int32: each row's group (E for rows past `sum(group_sizes)`)."""
+    return jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows, dtype=jnp.int32), side="right").astype(jnp.int32)
+
+
+def blockdiag_lora_delta(xs: jax.Array, lora: LoRAArrays, group_sizes: jax.Array) -> jax.Array:
+    """`ragged_lora_delta` as two dense matmuls: every row against all E adapters' A (`[M, E, r]`, small
+    for rank r), the other experts' entries zeroed, then against B stacked `[E*r, out]`.
+
+    Same rounding as `ragged_lora_delta` (float32 accumulation, the rank-r product rounded to the rows'
+    dtype). Used beside the grouped-matmul kernel: XLA:GPU would lower the rank-r `ragged_dot`s densely.
+    """
+    a, b, scale = lora
+    experts, _, rank = a.shape
+    t = jnp.einsum("mi,eir->mer", xs, a.astype(xs.dtype), preferred_element_type=jnp.float32)
+    own = row_groups(group_sizes, xs.shape[0])[:, None] == jnp.arange(experts, dtype=jnp.int32)[None, :]
+    t = jnp.where(own[:, :, None], t, 0.0).astype(xs.dtype).reshape(xs.shape[0], experts * rank)
+    y = jnp.einsum("mk,ko->mo", t, b.astype(xs.dtype).reshape(experts * rank, -1), preferred_element_type=jnp.float32)
+    return y * scale
+
+
+def _ragged(xs: jax.Array, w: jax.Array, group_sizes: jax.Array, lora: LoRAArrays | None,
+            kernel: bool = False, rows_hint: int | None = None) -> jax.Array:
+    """`xs: [M,in]` times each row's expert kernel `w: [E,in,out]` (+ LoRA) -> [M,out] float32.
+
+    kernel: use the grouped-matmul kernel (`kernels.grouped_matmul`, told `rows_hint`) and the
+    block-diagonal LoRA."""
+    if kernel:
+        out = grouped_matmul(xs, w, group_sizes, rows_hint=rows_hint)
+        return out if lora is None else out + blockdiag_lora_delta(xs, lora, group_sizes)
     out = jax.lax.ragged_dot(xs, w, group_sizes, preferred_element_type=jnp.float32)
     return out if lora is None else out + ragged_lora_delta(xs, lora, group_sizes)
 
 
 def grouped_swiglu(xs_sorted: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                   w_down: jax.Array, lora: ExpertLoRA | None = None) -> jax.Array:
+                   w_down: jax.Array, lora: ExpertLoRA | None = None, kernels: str = "reference",
+                   rows_hint: int | None = None) -> jax.Array:
     """`down(silu(gate(x)) * up(x))` of each row with its expert's kernels -> [M,D] float32.
 
     xs_sorted: [M,D], rows grouped by expert in expert order (cast to the kernels' dtype);
     group_sizes: [E] int32, rows per expert (sum <= M); w_gate, w_up: [E,D,I]; w_down: [E,I,D];
     lora: None, or (gate, up, down), each None or `LoRAArrays`. The SwiGLU product is rounded to
-    w_down's dtype before the down projection.
+    w_down's dtype before the down projection. kernels: a `ModelOptions.kernels` value; where it selects
+    the Pallas kernels (and the shapes suit it) the matmuls run on the grouped-matmul kernel; rows_hint:
+    the rows expected to be in groups (default M; plan mode's FLOP count of the kernel).
     """
     lora_gate, lora_up, lora_down = lora or (None, None, None)
     xs = xs_sorted.astype(w_gate.dtype)
-    gate = _ragged(xs, w_gate, group_sizes, lora_gate)
-    up = _ragged(xs, w_up, group_sizes, lora_up)
+    kernel = (use_pallas(kernels) and supported(xs.shape, w_gate.shape, w_gate.dtype)
+              and supported(xs.shape, w_down.shape, w_down.dtype))
+    gate = _ragged(xs, w_gate, group_sizes, lora_gate, kernel, rows_hint)
+    up = _ragged(xs, w_up, group_sizes, lora_up, kernel, rows_hint)
     h = (jax.nn.silu(gate) * up).astype(w_down.dtype)
-    return _ragged(h, w_down, group_sizes, lora_down)
+    return _ragged(h, w_down, group_sizes, lora_down, kernel, rows_hint)
 
 
 def experts_ragged(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                   w_down: jax.Array, lora: ExpertAdapters | None = None) -> jax.Array:
+                   w_down: jax.Array, lora: ExpertAdapters | None = None, kernels: str = "reference") -> jax.Array:
     """Dropless routed experts: `x: [T,D], weights/experts: [T,K]`, `w_*: [E,D,I] / [E,I,D]` -> [T,D] float32.
 
     Token-expert pairs are sorted by expert and run through `grouped_swiglu`, so memory is
     `O(T * K * D)` whatever the routing. `lora`: None, or the (gate, up, down) routed-expert
-    adapters (A [E,in,r], B [E,r,out]).
+    adapters (A [E,in,r], B [E,r,out]). kernels: as in `grouped_swiglu`.
     """
     tokens, k = experts.shape
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token_of = order // k
     group_sizes = jnp.bincount(flat, length=w_gate.shape[0]).astype(jnp.int32)
-    y = grouped_swiglu(x[token_of], group_sizes, w_gate, w_up, w_down, lora_arrays(lora))
+    y = grouped_swiglu(x[token_of], group_sizes, w_gate, w_up, w_down, lora_arrays(lora), kernels)
     y = y * weights.reshape(-1)[order][:, None]
     return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(y)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glm52_jax.config import ModelConfig
-from glm52_jax.model.expert_parallel import ep_applicable, experts_ep
+from glm52_jax.model.expert_parallel import experts_ep, pad_tokens, token_shards
 from glm52_jax.model.grouped_mlp import experts_ragged
 from glm52_jax.model.layers import param, project
 from glm52_jax.model.lora import LoRAConfig, adapter
@@ -76,6 +76,8 @@ class MoE(nnx.Module):
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.cfg = cfg
         self.token_block = opts.moe_token_block
+        self.kernels = opts.kernels
+        self.transport = opts.moe_transport
         self.router = param(rngs, (d, e), ("embed", None), jnp.float32)
         self.e_score_correction_bias = param(None, (e,), (None,), jnp.float32, init="zeros")
         self.w_gate = param(rngs, (e, d, i), ("experts", "embed", "expert_mlp"), dt)
@@ -97,10 +99,14 @@ class MoE(nnx.Module):
         weights, experts = route(self.cfg, flat, self.router[...], self.e_score_correction_bias[...])
         kernels = (self.w_gate[...], self.w_up[...], self.w_down[...])
         lora = (self.w_gate_lora, self.w_up_lora, self.w_down_lora)
-        if ep_applicable(flat.shape[0], self.cfg.n_routed_experts):
-            # Experts sharded over a mesh axis: all-to-all dispatch to the experts' owners.
-            routed = experts_ep(flat, weights, experts, *kernels, lora, token_block=self.token_block)
+        shards = token_shards(self.cfg.n_routed_experts)
+        if shards:
+            # Experts sharded over a mesh axis: every token count (a decode step's few tokens padded to one per
+            # shard) goes to the experts' owners by all-to-all; the expert weights never move.
+            padded = pad_tokens(flat, weights, experts, shards, self.cfg.n_routed_experts)
+            routed = experts_ep(*padded, *kernels, lora, token_block=self.token_block, impl=self.transport,
+                                kernels=self.kernels)[:flat.shape[0]]
         else:
-            routed = experts_ragged(flat, weights, experts, *kernels, lora)
+            routed = experts_ragged(flat, weights, experts, *kernels, lora, self.kernels)
         routed = routed.astype(x.dtype).reshape(batch, seq, d)
         return constrain(routed + self.shared_experts(x), ("batch", "seq", "embed"))

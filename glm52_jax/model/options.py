@@ -6,7 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from glm52_jax.choices import KERNELS
+from glm52_jax.choices import KERNELS, MOE_TRANSPORTS
 from glm52_jax.model.lora import LoRAConfig
 
 
@@ -26,7 +26,11 @@ class ModelOptions:
     `kernels`: the DSA indexer top-k and sparse attention implementation: "reference" (the jnp code
     in model/indexer.py and model/sparse_attention.py), "pallas" (glm52_jax.kernels; interpreted on a
     CPU backend, which is how CPU tests run them) or "auto" (pallas on a GPU backend, else reference).
-    Both give the same results (see tests/kernels).
+    Both give the same results (see tests/kernels). It also picks the routed experts' grouped matmul
+    (`kernels.grouped_matmul` where Pallas is chosen, `lax.ragged_dot` otherwise).
+    `moe_transport`: how the expert-parallel MoE exchanges token rows: "dense" (fixed-capacity
+    all_to_all, runs everywhere), "ragged" (`ragged_all_to_all`: only the rows each device needs; GPU)
+    or "auto" (ragged when the program is lowered for a GPU, else dense).
     """
 
     param_dtype: object = jnp.bfloat16
@@ -38,6 +42,7 @@ class ModelOptions:
     context_parallel: str = "zigzag"
     moe_token_block: int = 1024
     kernels: str = "auto"
+    moe_transport: str = "auto"
 
     def __post_init__(self):
         for name in ("indexer_query_block", "indexer_key_block", "attention_query_block", "moe_token_block"):
@@ -50,5 +55,8 @@ class ModelOptions:
                              f"got {self.context_parallel!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"ModelOptions.kernels: expected one of {KERNELS}, got {self.kernels!r}")
+        if self.moe_transport not in MOE_TRANSPORTS:
+            raise ValueError(f"ModelOptions.moe_transport: expected one of {MOE_TRANSPORTS}, "
+                             f"got {self.moe_transport!r}")
         if self.lora is not None and not isinstance(self.lora, LoRAConfig):
             raise ValueError(f"ModelOptions.lora: expected a LoRAConfig or None, got {self.lora!r}")

@@ -37,8 +37,9 @@ _FRAME = re.compile(r"stack_frame_id=(\d+)")
 _COLLECTIVE_OPS = {
     "all-gather": "all-gather", "all-gather-done": "all-gather",
     "all-reduce": "all-reduce", "all-reduce-done": "all-reduce",
-    "reduce-scatter": "reduce-scatter",
-    "all-to-all": "all-to-all", "ragged-all-to-all": "all-to-all",
+    "reduce-scatter": "reduce-scatter", "reduce-scatter-done": "reduce-scatter",
+    "all-to-all": "all-to-all", "all-to-all-done": "all-to-all",
+    "ragged-all-to-all": "all-to-all", "ragged-all-to-all-done": "all-to-all",
     "collective-permute": "collective-permute", "collective-permute-done": "collective-permute",
 }
 COLLECTIVE_OPCODES = _COLLECTIVE_OPS  # opcode -> the collective kind it is counted as
@@ -127,6 +128,18 @@ def shape_bytes(shape: str) -> float:
         width = 8 if dtype == "pred" else 0 if dtype == "token" or not bits else int(bits.group())
         total += math.prod(int(d) for d in dim_text.split(",") if d) * width / 8
     return total
+
+
+def collective_bytes(ins: Instr, shapes: dict[str, str]) -> float:
+    """Bytes a collective delivers per device: its result, except for a ragged all-to-all, whose result
+    buffer is sized for the worst case (every row to one device) while it moves at most its send
+    buffer's rows: the smaller of the two (the send buffer is operand 0; for a `-done`, the first
+    array of its `-start`'s result tuple)."""
+    out = shape_bytes(ins.shape)
+    if ins.opcode not in ("ragged-all-to-all", "ragged-all-to-all-done"):
+        return out
+    first = _ARRAY.search(shapes.get(operands(ins)[0].strip().split()[-1].lstrip("%"), "") if ins.operands else "")
+    return min(out, shape_bytes(first.group(0))) if first else out
 
 
 def dims(shape: str) -> list[int]:
@@ -244,6 +257,10 @@ def _conv_flops(ins: Instr, shapes: dict[str, str]) -> float:
     return 2.0 * features * out[out_l.index("f")] * batch * math.prod(valid)
 
 
+# The grouped-matmul Pallas kernel's name (in the op_name metadata) carries its live rows.
+_GROUPED_KERNEL = re.compile(r'op_name="[^"]*grouped_matmul(?:_t)?_rows(\d+)')
+
+
 def instr_flops(ins: Instr, shapes: dict[str, str]) -> tuple[float, float, bool]:
     """(flops, transcendentals, whether it is a dot) of one execution of one instruction.
 
@@ -260,6 +277,11 @@ def instr_flops(ins: Instr, shapes: dict[str, str]) -> tuple[float, float, bool]
         m = _GEMM_CONTRACTING.search(ins.attrs)
         contracted = [lhs[int(i.strip('" '))] for i in m.group(1).split(",") if i.strip()] if (m and lhs) else []
         return 2.0 * math.prod(dims(ins.shape)) * math.prod(contracted), 0.0, True
+    if ins.opcode == "custom-call" and (kernel := _GROUPED_KERNEL.search(ins.attrs)):
+        # kernels/grouped_matmul.py: [M, K] rows x [G*K, N] -> [M, N]; only the rows named live are worked on.
+        lhs = _operand_dims(operands(ins)[1], shapes)
+        k = lhs[-1] if lhs else 0
+        return 2.0 * int(kernel.group(1)) * k * dims(ins.shape)[-1], 0.0, True
     if ins.opcode == "convolution":
         return _conv_flops(ins, shapes), 0.0, False
     if ins.opcode in _ELEMENTWISE:
@@ -337,7 +359,7 @@ def analyze_hlo(text: str, top: int = 8) -> dict[str, Any]:
                 loops["unknown_trip_count_loops"] += _TRIP.search(ins.attrs) is None
             kind = _COLLECTIVE_OPS.get(ins.opcode)
             if kind is not None:
-                b = shape_bytes(ins.shape)
+                b = collective_bytes(ins, shapes)
                 c = coll[kind]
                 c["ops"] += 1
                 c["bytes"] += b

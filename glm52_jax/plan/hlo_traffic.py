@@ -23,7 +23,15 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from glm52_jax.plan.hlo import COLLECTIVE_OPCODES, Instr, loop_multipliers, operands, parse_hlo, shape_bytes
+from glm52_jax.plan.hlo import (
+    COLLECTIVE_OPCODES,
+    Instr,
+    collective_bytes,
+    loop_multipliers,
+    operands,
+    parse_hlo,
+    shape_bytes,
+)
 
 _NO_TRAFFIC = frozenset({"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional",
                          "call", "after-all", "partition-id", "replica-id", "async-start", "async-update",
@@ -175,7 +183,7 @@ def traffic(text: str, hosts: Sequence[int]) -> dict[str, Any]:
                 groups = collective_groups(source.attrs if source else "", len(hosts))
                 out["collectives_with_unknown_groups"] += groups is None
                 link = "across_hosts" if crosses_hosts(groups, hosts) else "within_host"
-                out[f"collective_bytes_executed_{link}"] += shape_bytes(ins.shape) * times
+                out[f"collective_bytes_executed_{link}"] += collective_bytes(ins, shapes) * times
             elif ins.opcode not in _NO_TRAFFIC and ins.opcode not in _COLLECTIVE_STARTS:
                 out["memory_bytes_executed"] += _kernel_bytes(ins, shapes, fusions) * times
     return out

@@ -19,10 +19,11 @@ def lora_config(model: ModelSpec):
 
 
 def model_options(model: ModelSpec):
-    """`ModelOptions` of the base model: parameter dtype and DSA kernels (the rest at their defaults)."""
+    """`ModelOptions` of the base model: parameter dtype, kernels, the MoE exchange (the rest at their defaults)."""
     from glm52_jax.model.options import ModelOptions
 
-    return ModelOptions(param_dtype=model.jnp_dtype(), kernels=model.kernels)
+    return ModelOptions(param_dtype=model.jnp_dtype(), kernels=model.kernels, moe_transport=model.moe_transport,
+                        moe_token_block=model.moe_token_block)
 
 
 def loss_settings(train: TrainSpec):

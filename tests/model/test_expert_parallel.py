@@ -225,3 +225,9 @@ def test_ragged_path_lowers_for_cuda():
                                      disabled_checks=checks)(*args)
     # 3 forward (rows, ids, results back) + the transposes of the two float ones.
     assert exported.mlir_module().count("custom_call @ragged_all_to_all") >= 5
+
+
+def test_grouped_matmul_kernel_inside_the_shard_map():
+    """kernels="pallas": each device's local experts run on the grouped-matmul kernel (interpret mode here),
+    LoRA block-diagonal; outputs and gradients (x, kernels, LoRA) as the one-device ragged_dot path."""
+    _check(_problem(2, False, seed=5), "folded8", functools.partial(experts_ep, kernels="pallas"))

@@ -315,3 +315,29 @@ def test_convolution_flops_match_xla(conv):
     text = compiled.as_text()
     assert any(i.opcode == "convolution" for c in hlo.parse_hlo(text)[0].values() for i in c)
     assert hlo.analyze_hlo(text)["flops"]["flops_static"] == compiled.cost_analysis()["flops"] > 0
+
+
+RAGGED = """HloModule ragged
+
+ENTRY %main (x: bf16[48,64], y: bf16[4,8]) -> bf16[192,64] {
+  %x = bf16[48,64]{1,0} parameter(0)
+  %y = bf16[4,8]{1,0} parameter(1)
+  %buf = bf16[192,64]{1,0} parameter(2)
+  %small = bf16[24,64]{1,0} parameter(3)
+  %off = s64[8]{0} parameter(4)
+  %a2a-start = ((bf16[4,8]{1,0}), bf16[4,8]{1,0}) all-to-all-start(%y), channel_id=1, replica_groups={{0,4},{1,5}}, dimensions={0}
+  %a2a-done = bf16[4,8]{1,0} all-to-all-done(%a2a-start)
+  %sync = bf16[192,64]{1,0} ragged-all-to-all(%x, %buf, %off, %off, %off, /*index=5*/%off), channel_id=2, replica_groups={{0,1,2,3}}
+  %back-start = ((bf16[192,64]{1,0}, bf16[24,64]{1,0}, s64[8]{0}, s64[8]{0}, s64[8]{0}, /*index=5*/s64[8]{0}), bf16[24,64]{1,0}) ragged-all-to-all-start(%sync, %small, %off, %off, %off, /*index=5*/%off), channel_id=3, replica_groups={{0,1,2,3}}
+  %back = bf16[24,64]{1,0} ragged-all-to-all-done(%back-start)
+  ROOT %out = bf16[192,64]{1,0} copy(%sync)
+}
+"""
+
+
+def test_async_and_ragged_all_to_all():
+    """An async all-to-all counts at its -done; a ragged all-to-all moves at most its send buffer (operand 0),
+    not its worst-case result buffer: forward 48 rows sent into a 192-row buffer, back 24 rows received."""
+    coll = hlo.analyze_hlo(RAGGED)["collectives"]["all-to-all"]
+    assert coll["ops"] == 3
+    assert coll["bytes"] == 4 * 8 * 2 + 48 * 64 * 2 + 24 * 64 * 2
