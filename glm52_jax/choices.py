@@ -15,6 +15,7 @@ DTYPES = ("float32", "bfloat16")  # parameter (and activation) dtype of the base
 PRESETS = ("tiny", "glm52")  # config.py architectures for `model.checkpoint="random"` and plan mode
 CHECKPOINT_KEYWORDS = ("embedded", "random")  # model.checkpoint besides a directory path
 # plan/: programs plan mode can compile
-PLAN_PROGRAMS = ("prefill", "forward", "decode", "train", "new_logprobs", "inventory", "probe_prefill", "probe_decode")
+PLAN_PROGRAMS = ("prefill", "prefill_tail", "forward", "decode", "train", "new_logprobs", "inventory", "probe_prefill",
+                 "probe_decode")
 # plan/targets.py: where plan mode compiles (virtual CPU devices, or deviceless for these GPUs)
 PLAN_TARGETS = ("cpu", "h20", "h200")

@@ -95,12 +95,14 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.plan = ml_collections.ConfigDict()  # --mode=plan: AOT compile for the mesh, no weights
     # Programs to compile: every program of a transaction (also: forward, a reference). The probe's two are
-    # skipped when search.probe_tokens = 0.
-    c.plan.programs = ("prefill", "decode", "train", "new_logprobs", "inventory", "probe_prefill", "probe_decode")
+    # skipped when search.probe_tokens = 0, prefill_tail (later candidates after a prefix-cache hit) in chunked
+    # prefill mode (it is `prefill` there).
+    c.plan.programs = ("prefill", "prefill_tail", "decode", "train", "new_logprobs", "inventory", "probe_prefill",
+                       "probe_decode")
     c.plan.hbm_gib = 96.0  # per-device memory the programs must fit with plan.target=cpu (H20: 96 GiB)
     # Where the programs compile: "cpu" = virtual CPU devices (XLA:CPU, runs anywhere); "h20" / "h200" = XLA's GPU
     # compiler, deviceless (needs the gpu-aot extra), topology HOSTSx1x8 (1x1xN up to 8 GPUs), fits against the
-    # target's memory x XLA_PYTHON_CLIENT_MEM_FRACTION (0.92, launch/run_node.sh), plus a modeled time per program.
+    # target's memory x XLA_PYTHON_CLIENT_MEM_FRACTION (0.90, launch/run_node.sh), plus a modeled time per program.
     c.plan.target = "cpu"
 
     c.export = ml_collections.ConfigDict()  # --mode=export: PEFT adapter + merged HF checkpoint

@@ -7,5 +7,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # Positions: native unless GLM52_ROPE_SCALING_JSON (passed through as the caller set it, no default) or
 # --config.model.rope_scaling_json names a payload; configs/2m.py names configs/glm52_2m_yarn.json itself.
-export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}"
+export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.90}"
 exec .venv/bin/python -u -m glm52_jax.launch "$@"

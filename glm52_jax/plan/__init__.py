@@ -35,7 +35,7 @@ exactly what each number is).
 Compile target (`target`, the config's `plan.target`): "h20" / "h200" compile every program with
 XLA's GPU compiler, deviceless (`kernels.aot`, the gpu-aot extra), for a topology of hosts x 8 GPUs
 (`targets.topology_for`: 32 -> 4x1x8; up to 8 GPUs, one host), judge `fits` against the target's
-memory x the launcher's XLA_PYTHON_CLIENT_MEM_FRACTION (0.92), and model each program's time per
+memory x the launcher's XLA_PYTHON_CLIENT_MEM_FRACTION (0.90), and model each program's time per
 call from its FLOPs, HBM traffic and collective bytes by link (`hlo_traffic`,
 `targets.modeled_time`; the assumed speeds are in the report). "cpu": the process's devices; plan
 mode normally runs on a virtual CPU mesh (`ensure_virtual_devices`, which must run before JAX

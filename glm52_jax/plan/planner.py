@@ -113,7 +113,8 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
         for name in programs:
             program = BUILDERS[name](setup, adamw)
             if program is None:
-                say(f"plan: {name}: not run by this configuration (search.probe_tokens = 0), skipped")
+                say(f"plan: {name}: not run by this configuration (probe_tokens = 0, or prefill_tail in chunked "
+                    "mode, which is `prefill`), skipped")
                 continue
             say(f"plan: lowering and compiling {name} ...")
             entry = {"what": program.what, "calls_per_transaction": program.calls,

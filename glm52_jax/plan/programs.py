@@ -93,6 +93,16 @@ def prefill_program(s: PlanSetup) -> Program:
     return Program(prefill_chunk, (s.state, ids, s.cache(1)), kw, what, -(-s.prompt_tokens // s.chunk_size))
 
 
+def prefill_tail_program(s: PlanSetup) -> Program | None:
+    """prefill_mode="whole": a later candidate of the same filler finds the prompt in the prefix cache and
+    runs only its tail as `prefill_chunk` calls of `chunk_size` against the full-capacity cache (one call
+    planned per candidate: the tail is the question). None in "chunked" mode, where that is "prefill"."""
+    if s.prefill_mode != "whole":
+        return None
+    program = prefill_program(dataclasses.replace(s, prefill_mode="chunked"))
+    return program._replace(what=f"later candidates' prompt tail after a prefix-cache hit: {program.what}", calls=1)
+
+
 def forward_program(s: PlanSetup) -> Program:
     """`model.hidden_states` on ids [1,P]: the uncached whole-prompt forward (a reference; the
     sampler never runs it, `conventional` training and `token_logprobs` do)."""
@@ -214,6 +224,7 @@ def _probe(builder: Callable[[PlanSetup], Program], s: PlanSetup) -> Program | N
 # a transaction. A builder returns None for a program the run does not execute (the probe's, without one).
 BUILDERS: dict[str, Callable[[PlanSetup, Any], Program | None]] = {
     "prefill": lambda s, adamw: prefill_program(s),
+    "prefill_tail": lambda s, adamw: prefill_tail_program(s),
     "forward": lambda s, adamw: forward_program(s),
     "decode": lambda s, adamw: decode_program(s),
     "train": train_program,

@@ -16,9 +16,9 @@ from glm52_jax import choices
 TARGETS = choices.PLAN_TARGETS
 GPU_TARGETS = tuple(t for t in TARGETS if t != "cpu")
 GPUS_PER_HOST = 8  # an HGX node
-# launch/run_node.sh exports XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 (unless set): the share of each GPU's
+# launch/run_node.sh exports XLA_PYTHON_CLIENT_MEM_FRACTION=0.90 (unless set): the share of each GPU's
 # memory JAX preallocates, so the most any program may hold per device.
-LAUNCHER_MEM_FRACTION = 0.92
+LAUNCHER_MEM_FRACTION = 0.90
 
 
 @dataclasses.dataclass(frozen=True)

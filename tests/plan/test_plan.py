@@ -145,7 +145,8 @@ def test_folded_collectives_and_flops(folded):
 
 def test_report_is_json_and_formats(folded):
     again = json.loads(json.dumps(folded))
-    assert again["programs"].keys() == set(TRANSACTION_PROGRAMS)
+    # Chunked prefill mode: a later candidate's tail is the `prefill` program itself.
+    assert again["programs"].keys() == set(TRANSACTION_PROGRAMS) - {"prefill_tail"}
     text = format_plan(folded)
     for word in ("prefill", "decode", "train", "all-gather", "CP8/EP8", "fits", "G=2 S=4"):
         assert word in text
@@ -172,7 +173,7 @@ def test_flops_scale_with_chunk_length(single):
 def test_whole_prompt_prefill_program():
     """prefill_mode="whole": one call of the sampler's context-parallel prefill, whose outputs are
     the batch-1 cache (plus h_last) and which gathers the key side instead of reading a cache."""
-    whole = _plan(FOLDED, ("prefill",), prefill_mode="whole")
+    whole = _plan(FOLDED, ("prefill", "prefill_tail"), prefill_mode="whole")
     p = whole["programs"]["prefill"]
     assert p["calls_per_transaction"] == 1 and p["what"].startswith("sampler.prefill_whole")
     cache, h_last = whole["cache"]["batch1_bytes_per_device"], CFG.hidden_size * 4  # h_last: [1, D] float32
@@ -182,6 +183,11 @@ def test_whole_prompt_prefill_program():
     assert p["input_bytes_per_device"] < model["param_bytes_per_device"] + model["lora_bytes_per_device"] + cache
     assert p["collectives"]["all-gather"]["ops"] > 0 and p["collectives"]["all-to-all"]["ops"] > 0
     assert whole["shapes"]["prefill_mode"] == "whole"
+    # A later candidate's tail after a prefix-cache hit: one chunk against the full-capacity cache (an input).
+    tail = whole["programs"]["prefill_tail"]
+    assert tail["calls_per_transaction"] == 1 and "prefill_chunk" in tail["what"]
+    assert tail["what"].startswith("later candidates' prompt tail")
+    assert tail["input_bytes_per_device"] > model["param_bytes_per_device"] + cache
 
 
 def test_mesh_needing_more_devices_is_a_clear_error():
