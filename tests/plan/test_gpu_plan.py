@@ -91,18 +91,8 @@ def test_sharded_weights_fall_by_the_device_count(eight, one):
     args_8 = eight["programs"]["forward"]["memory"]["argument_bytes"]
     assert args_1 == m1["param_bytes"] + m1["lora_bytes"] + ids_1
     assert args_1 - args_8 == (m1["param_bytes"] + expert_lora) * 7 // 8 + ids_1 - ids_8
-    # Gathered where used: the forward's all-gathers produce every non-expert weight whole (bf16 on the GPU
-    # compiler: no float32 copy), the routed experts never.
-    gathered = eight["programs"]["forward"]["collectives"]["all-gather"]["bytes_executed"]
-    assert gathered >= m8["param_bytes"] - stack_bytes()
     assert one["target"]["topology"] == "1x1x1" and not any(
         c["bytes"] for c in one["programs"]["forward"]["collectives"].values())
-
-
-def stack_bytes() -> int:
-    """bf16 bytes of the routed experts' gate/up/down (expert-sharded, never gathered)."""
-    moe_layers = CFG.num_hidden_layers - CFG.first_k_dense_replace
-    return moe_layers * CFG.n_routed_experts * 3 * CFG.hidden_size * CFG.moe_intermediate_size * 2
 
 
 @pytest.mark.slow
