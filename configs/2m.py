@@ -19,6 +19,9 @@ def get_config():
     c.name = "online_grpo_2m"
     c.mesh = "folded=32"  # TP1 / CP32 / EP32 / PP1: one 32-way axis for the sequence and the experts
     c.model.rope_scaling_json = str(Path(__file__).resolve().parent / "glm52_2m_yarn.json")
+    # The frozen non-expert weights (~37.5 GB: attention, indexer, dense and shared MLPs, embedding, lm_head) 1/32 per
+    # device, all-gathered one layer at a time inside the layer scan (the run default; stated as the plan assumes it).
+    c.model.weight_sharding = "fsdp"
     c.data.prompt_tokens = 2_097_152
     c.sampling.chunk_size = 16_384
     # One context-parallel forward of the cold prompt (plan: 560 GB all-gathered per prefill vs ~29 TB for

@@ -5,6 +5,10 @@ The modules that implement each choice import their tuple from here, so a new mo
 
 from __future__ import annotations
 
+# parallel/ imports nothing else of the package, so its choice lives there: frozen base weights sharded over every
+# device (FSDP-style, gathered one layer at a time where used) or replicated
+from glm52_jax.parallel.mesh import WEIGHT_SHARDINGS  # noqa: F401  (re-exported)
+
 GRADIENT_MODES = ("conventional", "response_only", "shared_prefix")  # rl/gradients.py
 PREFILL_MODES = ("chunked", "whole")  # rollout/sampler.py
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # rl/grpo.py

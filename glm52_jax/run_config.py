@@ -172,6 +172,7 @@ class ModelSpec(_Section):
     lora_alpha: float = _rules(number(0.0))
     lora_families: tuple[str, ...] = _rules(subset_of(choices.LORA_FAMILIES))
     init_adapter: str = _rules()
+    weight_sharding: str = _rules(one_of(choices.WEIGHT_SHARDINGS))
 
     @property
     def checkpoint_path(self) -> Path | None:
@@ -412,9 +413,9 @@ class RunSpec:
         from glm52_jax.parallel.mesh import MeshSpec, parse_mesh
 
         if not self.mesh:
-            return MeshSpec()
+            return MeshSpec(weight_sharding=self.model.weight_sharding)
         try:
-            return parse_mesh(self.mesh)
+            return parse_mesh(self.mesh, self.model.weight_sharding)
         except ValueError as e:
             raise ConfigError(f"--config.mesh={self.mesh}: {e}") from None
 

@@ -37,6 +37,10 @@ def get_config() -> ml_collections.ConfigDict:
     # adapters seed step 1 instead of fresh ones; its rank, alpha, families and shapes must match the lora_* keys.
     # "" = fresh adapters (A random, B zero). A resumed run restores its checkpoint instead.
     c.model.init_adapter = ""
+    # Frozen base weights on a mesh: "fsdp" shards each non-expert weight over all devices (1/N each) and the layer
+    # scan all-gathers one layer's weights just before use (forward, decode, gradients); "replicated" keeps a whole
+    # copy per device (the routed experts are expert-sharded either way). Same result; on one device the same thing.
+    c.model.weight_sharding = "fsdp"
 
     c.data = ml_collections.ConfigDict()
     c.data.path = ""  # DAPO-schema parquet/JSONL; "" = the 75 bundled rows

@@ -46,6 +46,17 @@ def test_configs_override_only_what_they_change():
                                                           "sampling.samples_per_request", "search.probe_tokens"]
 
 
+def test_weight_sharding_reaches_the_mesh_rules():
+    """model.weight_sharding picks the mesh's rules: "fsdp" (default, the 2M run's) maps the FSDP name to every mesh
+    axis; "replicated" leaves it out."""
+    from glm52_jax.parallel.rules import FSDP
+
+    fsdp, replicated = (config_spec("2m", **{"model.weight_sharding": w}).mesh_spec() for w in ("fsdp", "replicated"))
+    assert config_spec("2m").model.weight_sharding == "fsdp"
+    assert dict(fsdp.rules())[FSDP] == ("data", "cp_ep", "tensor") and FSDP not in dict(replicated.rules())
+    assert fsdp.describe() == replicated.describe() == "DP1/TP1/CP32/EP32/PP1"
+
+
 def test_the_spec_and_the_launcher_start_without_jax():
     code = ("import sys; import glm52_jax.run_config, glm52_jax.run_defaults, glm52_jax.workdir, glm52_jax.launch; "
             "from tests.run_helpers import config_spec; config_spec('2m').mesh_spec(); "
@@ -112,6 +123,7 @@ def test_the_spec_and_the_launcher_start_without_jax():
                                         "samples)"),
     ("sampling.samples_per_request", -1, "--config.sampling.samples_per_request=-1: must be >= 0 (0 = num_samples)"),
     ("model.init_adapter", 3, "--config.model.init_adapter=3: must be a string"),
+    ("model.weight_sharding", "zero3", "--config.model.weight_sharding=zero3: must be one of fsdp, replicated"),
 ])
 def test_bad_values_name_their_flag(key, value, message):
     with pytest.raises(ConfigError) as info:

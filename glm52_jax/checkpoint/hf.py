@@ -35,7 +35,7 @@ from glm52_jax.config import ModelConfig
 from glm52_jax.model.lora import KernelDelta, kernel_adapters, merged_kernel
 from glm52_jax.model.options import ModelOptions
 from glm52_jax.model.transformer import GlmMoeDsa
-from glm52_jax.parallel.rules import logical_to_spec
+from glm52_jax.parallel.placement import sharding_for
 
 log = logging.getLogger(__name__)
 
@@ -354,8 +354,7 @@ def _materialize(read, shape, dtype, var, mesh) -> jax.Array:
     if mesh is None:
         full = tuple(slice(None) for _ in shape)
         return jnp.asarray(cast(read(full)))
-    axes = var.get_metadata().get("out_sharding") or (None,) * len(shape)
-    sharding = jax.sharding.NamedSharding(mesh, logical_to_spec(axes, mesh_axes=mesh.axis_names))
+    sharding = sharding_for(var, mesh)  # each process reads only its devices' slices (FSDP shards included)
     return jax.make_array_from_callback(shape, sharding, lambda index: cast(read(index)))
 
 

@@ -22,7 +22,7 @@ from glm52_jax import positions as rope_lib
 from glm52_jax.config import ModelConfig
 from glm52_jax.model import context_parallel as context
 from glm52_jax.model.kv_cache import KVCache, LayerCacheView, cache_from_entries, init_cache, write_chunk
-from glm52_jax.model.layers import RMSNorm, param
+from glm52_jax.model.layers import RMSNorm, gather_params, gathered, gathered_value, param
 from glm52_jax.model.lora import adapter
 from glm52_jax.model.mla import Attention
 from glm52_jax.model.moe import MLP, MoE
@@ -246,7 +246,7 @@ class GlmMoeDsa(nnx.Module):
         table = rope_lib.rotary_table(cfg.rope, cfg.qk_rope_head_dim)
         cos, sin = rope_lib.rope_cos_sin(positions, table)
         cos, sin = cos[None], sin[None]  # [1,S,R/2]
-        h = jnp.take(self.embed_tokens[...], input_ids, axis=0)
+        h = jnp.take(gathered_value(self.embed_tokens), input_ids, axis=0)
         h = constrain(h, ("batch", "seq", "embed"))
         num_keys = seq if cache is None else cache.capacity
         topk = jnp.zeros((batch, seq, min(cfg.index_topk, num_keys)), jnp.int32)
@@ -261,7 +261,8 @@ class GlmMoeDsa(nnx.Module):
             def body(carry, xs, graphdef=graphdef, seg_cache=seg_cache):
                 h, topk = carry
                 unit_state, rep = xs
-                unit = nnx.merge(graphdef, unit_state)
+                # FSDP: this layer's base weights all-gathered here, inside the loop, one layer at a time.
+                unit = nnx.merge(graphdef, gather_params(unit_state))
                 unit_cache = None if seg_cache is None else (*seg_cache, rep, cache.length)
                 h, topk, made, entries = unit(h, cos, sin, positions, topk, unit_cache, emit_entries)
                 return (h, topk), (made, entries)
@@ -283,7 +284,7 @@ class GlmMoeDsa(nnx.Module):
             for slot, j in enumerate(full_ids):
                 for rep in range(seg.repeats):
                     produced[seg.start + rep * len(seg.unit) + j] = made[slot][rep]
-        h = self.norm(h)
+        h = gathered(self.norm)(h)
         if cache is not None:
             cache = write_chunk(cache, new_c, new_r, new_i, seq)
         return h, produced, cache, ((new_c, new_r, new_i) if emit_entries else None)
@@ -297,12 +298,15 @@ class GlmMoeDsa(nnx.Module):
         """
         return init_cache(self.cfg, self.segments_plan, batch, capacity, dtype or self.opts.param_dtype)
 
-    def logits(self, h: jax.Array) -> jax.Array:
-        """`h: [..., D] -> [..., V]` float32."""
-        if self.cfg.tie_word_embeddings:
-            w, spec = self.embed_tokens[...], "...d,vd->...v"
-        else:
-            w, spec = self.lm_head[...], "...d,dv->...v"
+    def unembedding(self) -> jax.Array:
+        """The logits projection's weight (lm_head [D,V], or the tied embedding [V,D]), gathered whole."""
+        return gathered_value(self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head)
+
+    def logits(self, h: jax.Array, unembedding: jax.Array | None = None) -> jax.Array:
+        """`h: [..., D] -> [..., V]` float32; `unembedding`: `self.unembedding()` when the caller gathered it
+        once for several calls (e.g. outside a loop over chunks)."""
+        w = self.unembedding() if unembedding is None else unembedding
+        spec = "...d,vd->...v" if self.cfg.tie_word_embeddings else "...d,dv->...v"
         h = h.astype(w.dtype)
         out = jnp.einsum(spec, h, w, preferred_element_type=jnp.float32)
         if self.lm_head_lora is not None:
@@ -329,10 +333,11 @@ def target_logprobs(model: GlmMoeDsa, h: jax.Array, targets: jax.Array, chunk: i
     h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
     targets = jnp.pad(targets, ((0, 0), (0, pad)))
     nc = h.shape[1] // c
+    unembedding = model.unembedding()  # gathered once, not per chunk
 
     def one(args):
         hc, tc = args  # [B,c,D], [B,c]
-        logp = jax.nn.log_softmax(model.logits(hc), axis=-1)
+        logp = jax.nn.log_softmax(model.logits(hc, unembedding), axis=-1)
         return jnp.take_along_axis(logp, tc[..., None], axis=-1)[..., 0]
 
     out = jax.lax.map(one, (h.reshape(batch, nc, c, d).swapaxes(0, 1), targets.reshape(batch, nc, c).swapaxes(0, 1)))

@@ -8,6 +8,12 @@ Two families of layout:
 
 Model code never names mesh axes: it names logical axes (`seq`, `experts`, ...) and `rules()`
 says where they go (see `parallel.rules`).
+
+`weight_sharding` says where the frozen base weights live: "fsdp" (default) shards each one over
+every mesh axis its own logical spec leaves unused (for the non-expert weights: all devices), and
+the layer scan gathers one layer's weights just before use; "replicated" keeps a whole copy of each
+on every device (except what the logical rules shard: the routed experts, tensor-parallel heads).
+On one device both are the same.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ if TYPE_CHECKING:  # JAX is imported where a mesh is made: the run spec parses m
     from glm52_jax.parallel.rules import Rules
 
 FOLDED_AXIS = "cp_ep"
+WEIGHT_SHARDINGS = ("fsdp", "replicated")  # MeshSpec.weight_sharding (model.weight_sharding of a run)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +41,7 @@ class MeshSpec:
     expert: int = 1
     tensor: int = 1
     folded: bool = False
+    weight_sharding: str = "fsdp"
 
     def __post_init__(self):
         for name in ("data", "context", "expert", "tensor"):
@@ -43,6 +51,9 @@ class MeshSpec:
         if self.folded and self.expert not in (1, self.context):
             raise ValueError(f"MeshSpec: a folded layout shards experts over the context axis; expert must be 1 or "
                              f"equal to context ({self.context}), got {self.expert}")
+        if self.weight_sharding not in WEIGHT_SHARDINGS:
+            raise ValueError(f"MeshSpec.weight_sharding: expected one of {WEIGHT_SHARDINGS}, got "
+                             f"{self.weight_sharding!r}")
 
     @classmethod
     def seed_training(cls, devices: int = 32) -> MeshSpec:
@@ -72,13 +83,16 @@ class MeshSpec:
         return f"DP{self.data}/TP{self.tensor}/CP{self.context}/EP{ep}/PP1"
 
     def rules(self) -> Rules:
-        """Logical-axis rules for this layout."""
-        from glm52_jax.parallel.rules import DEFAULT_RULES
+        """Logical-axis rules for this layout (with "fsdp": every mesh axis shards the base weights)."""
+        from glm52_jax.parallel.rules import DEFAULT_RULES, FSDP
 
-        if not self.folded:
-            return DEFAULT_RULES
-        return tuple((name, FOLDED_AXIS if target in ("context", "expert") else target)
-                     for name, target in DEFAULT_RULES)
+        table = DEFAULT_RULES
+        if self.folded:
+            table = tuple((name, FOLDED_AXIS if target in ("context", "expert") else target)
+                          for name, target in DEFAULT_RULES)
+        if self.weight_sharding == "fsdp":
+            table = (*table, (FSDP, self.axis_names))
+        return table
 
     def make(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
         """The mesh over `devices` (default: all); their number must equal the product of the sizes."""
@@ -94,7 +108,7 @@ class MeshSpec:
                              devices=devices)
 
 
-def parse_mesh(text: str) -> MeshSpec:
+def parse_mesh(text: str, weight_sharding: str = "fsdp") -> MeshSpec:
     """`"context=4,expert=2"` or `"folded=32"` (the seed's layout on 32 devices) -> MeshSpec."""
     fields: dict[str, int] = {}
     folded = False
@@ -110,4 +124,4 @@ def parse_mesh(text: str) -> MeshSpec:
             fields[key] = number
         else:
             raise ValueError(f"mesh {text!r}: unknown axis {key!r} (data, context, expert, tensor, folded)")
-    return MeshSpec(folded=folded, **fields)
+    return MeshSpec(folded=folded, weight_sharding=weight_sharding, **fields)

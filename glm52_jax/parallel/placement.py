@@ -1,7 +1,8 @@
 """Placing a model on a mesh and reading sharded results back, in one process or several.
 
 `place_model` gives every variable the NamedSharding its logical axes ask for (the same placement
-`load_pretrained(..., shardings=mesh)` makes from a checkpoint). It builds each array from the
+`load_pretrained(..., shardings=mesh)` makes from a checkpoint and plan mode's abstract model), the frozen
+base weights FSDP-sharded when the rules ask for it (`rules.weight_spec`). It builds each array from the
 host value with `make_array_from_callback`, so under `jax.distributed` every process supplies
 only its own devices' slices (all processes must hold the same host values, e.g. the same seed).
 """
@@ -16,13 +17,16 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from glm52_jax.parallel.rules import logical_to_spec
+from glm52_jax.parallel.rules import logical_to_spec, weight_spec
 
 
 def sharding_for(var: nnx.Variable, mesh: jax.sharding.Mesh) -> NamedSharding:
-    """The NamedSharding of one model variable under the active rules table."""
+    """The NamedSharding of one model variable (a real or abstract one) under the active rules table: its
+    logical axes' spec; a frozen base weight (`nnx.Param`, not LoRA) also takes the FSDP axes (`weight_spec`)."""
     value = var.get_value()
-    axes = var.get_metadata().get("out_sharding") or (None,) * value.ndim
+    axes = var.get_metadata().get("out_sharding") or (None,) * len(value.shape)
+    if isinstance(var, nnx.Param):
+        return NamedSharding(mesh, weight_spec(axes, value.shape, mesh))
     return NamedSharding(mesh, logical_to_spec(axes, mesh_axes=mesh.axis_names))
 
 

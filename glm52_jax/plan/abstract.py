@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from glm52_jax.model.kv_cache import CACHE_AXES, KVCache, init_cache
 from glm52_jax.model.transformer import GlmMoeDsa, layer_kinds, plan_segments
+from glm52_jax.parallel.placement import sharding_for
 from glm52_jax.parallel.rules import logical_to_spec
 
 
@@ -81,8 +82,8 @@ def abstract_model(cfg, opts, mesh) -> tuple[nnx.GraphDef, nnx.State]:
     leaves = []
     for key, var in nnx.to_flat_state(state):
         value = var.get_value()
-        axes = var.get_metadata().get("out_sharding") or (None,) * len(value.shape)
-        leaves.append((key, var.replace(sds(value.shape, value.dtype, mesh, axes))))
+        sharding = sharding_for(var, mesh)  # FSDP-sharded base weights included
+        leaves.append((key, var.replace(jax.ShapeDtypeStruct(tuple(value.shape), value.dtype, sharding=sharding))))
     return graphdef, nnx.from_flat_state(leaves)
 
 

@@ -106,3 +106,24 @@ def test_cache_sequence_axis_stays_sharded(saved):
         np.testing.assert_allclose(np.asarray(stack), np.asarray(ref), rtol=1e-5, atol=1e-6)
     assert int(cache.length) == 28
     np.testing.assert_allclose(np.asarray(got_h), np.asarray(want_h), rtol=1e-5, atol=1e-5)
+
+
+def test_weight_spec_shards_the_largest_free_dimension_over_the_unused_fsdp_axes():
+    folded = jax.sharding.AbstractMesh((1, 8, 1), ("data", "cp_ep", "tensor"))
+    table = (("experts", "cp_ep"), ("heads", "tensor"), (rules.FSDP, ("data", "cp_ep", "tensor")))
+    # Only the axes of size > 1 shard (cp_ep); the largest dimension it divides wins, never the stacked 'layers'.
+    assert rules.weight_spec(("layers", "embed", "q_lora"), (16, 64, 48), folded, table) == P(None, "cp_ep", None)
+    assert rules.weight_spec(("layers", "q_lora", "heads", "qk_dim"), (16, 48, 4, 40), folded, table) == \
+        P(None, "cp_ep", "tensor", None)  # the (1-wide) tensor axis its rules give 'heads' kept
+    assert rules.weight_spec(("embed",), (20,), folded, table) == P(None)  # 8 divides no dimension: replicated
+    # A weight its own rules already shard over cp_ep (the routed experts) is left as it is.
+    assert rules.weight_spec(("layers", "experts", "embed", "expert_mlp"), (2, 8, 64, 32), folded, table) == \
+        P(None, "cp_ep", None, None)
+    # Without an FSDP entry a weight gets its logical spec.
+    assert rules.weight_spec(("embed", "q_lora"), (64, 48), folded, table[:2]) == P(None, None)
+    # Orthogonal context 4 x expert 2: both axes together; the tensor axis of a tensor-parallel weight kept.
+    ortho = jax.sharding.AbstractMesh((4, 2, 2), ("context", "expert", "tensor"))
+    table = (("heads", "tensor"), (rules.FSDP, ("context", "expert", "tensor")))
+    assert rules.weight_spec(("kv_lora", "heads", "v_dim"), (32, 4, 32), ortho, table) == \
+        P(("context", "expert"), "tensor", None)
+    assert rules.weight_spec(("vocab", "embed"), (512, 64), ortho, table) == P(("context", "expert", "tensor"), None)

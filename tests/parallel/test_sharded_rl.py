@@ -6,18 +6,20 @@ longer than `index_topk` (32) and divides by neither 8 nor 4.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P_
 from lora_utils import fast_rngs, with_random_b
 
 import glm52_jax
 from glm52_jax import config
 from glm52_jax.model.kv_cache import broadcast_batch
-from glm52_jax.model.lora import LoRAConfig
+from glm52_jax.model.lora import LoRA, LoRAConfig
 from glm52_jax.model.transformer import GlmMoeDsa
 from glm52_jax.parallel.mesh import parse_mesh
 from glm52_jax.parallel.placement import place_model
@@ -289,3 +291,38 @@ def test_whole_prompt_prefill_is_context_parallel_and_matches_chunked(model, pro
     _assert_cache_slots_sharded(cache, mesh, spec)
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     np.testing.assert_allclose(out.logprobs, ref.logprobs, rtol=1e-5, atol=1e-5)
+
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits_and_lora_grads(graphdef, params, lora, ids):
+    """Logits [1,S,V] of ids [1,S] and the LoRA gradient of a loss on all of them (mean next-token log-prob)."""
+    def loss(lora):
+        logits = nnx.merge(graphdef, params, lora)(ids)
+        logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+        return -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1).mean(), logits
+
+    return jax.grad(loss, has_aux=True)(lora)[::-1]
+
+
+def test_fsdp_weights_match_replicated_ones(model):
+    """folded=8: the base weights FSDP-sharded 8 ways (gathered one layer at a time inside the layer scan) give
+    the replicated weights' logits (1e-6 relative) and LoRA gradients (1e-5 per array)."""
+    ids = _ids(48)
+    out = {}
+    for sharding in ("fsdp", "replicated"):
+        mesh_spec = parse_mesh("folded=8", sharding)
+        mesh = mesh_spec.make()
+        with axis_rules(mesh_spec.rules()):
+            graphdef, params, lora = nnx.split(place_model(model, mesh), nnx.Param, LoRA)
+            with jax.set_mesh(mesh):
+                logits, grads = _logits_and_lora_grads(graphdef, params, lora, ids)
+        q_a = params["stacks"][0]["layers"][0]["self_attn"]["q_a_proj"].get_value()
+        assert q_a.sharding.spec == P_(None, "cp_ep", None) if sharding == "fsdp" else P_(None, None, None)
+        out[sharding] = np.asarray(logits), dict(nnx.to_flat_state(grads))
+    assert _rel_l2(out["replicated"][0], out["fsdp"][0]) <= 1e-6
+    assert len(out["replicated"][1]) > 10
+    for path, var in out["replicated"][1].items():
+        expected = np.asarray(var.get_value())
+        assert np.linalg.norm(expected) > 0, f"{path}: zero gradient (the comparison would be vacuous)"
+        assert _rel_l2(expected, out["fsdp"][1][path].get_value()) <= 1e-5, path
