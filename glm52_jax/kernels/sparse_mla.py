@@ -61,6 +61,12 @@ class KernelConfig:
                                    bwd_block_k=min(self.bwd_block_k, 16), bwd_block_h=min(self.bwd_block_h, 16),
                                    bwd_num_warps=4, bwd_num_stages=1)
 
+    def for_tables(self, tables: int) -> KernelConfig:
+        """The forward's tiles for rows read from `tables` tables: with two (a cache and a chunk's own rows) the
+        forward's two gathered tiles per table at 64 slots asked 295,680 B of shared memory (sm_90a, 64 heads,
+        C 512; the limit is 232,448); 32-slot steps need 184,704 B (measured by deviceless compiles)."""
+        return self if tables < 2 else dataclasses.replace(self, block_k=min(self.block_k, 32))
+
 
 # Measured on an H200 (benchmarks/kernels_gpu.py --tune, bf16, 64 heads, k 2048): forward 64-slot steps with 8
 # warps and 2 stages was the fastest of the six tried; backward 32 slots x 32 heads with 8 warps.
@@ -249,4 +255,4 @@ def sparse_mla_tables(q_lat: jax.Array, q_rope: jax.Array, kv_tables: tuple, kr_
     if len(kv_tables) not in (1, 2) or len(kv_tables) != len(kr_tables):
         raise ValueError("sparse MLA kernel: one or two row tables, the same number for c_kv and k_rope")
     return _sparse_mla(q_lat, q_rope, tuple(kv_tables), tuple(kr_tables), codes.astype(jnp.int32), float(scale),
-                       bool(interpret), config.for_dtype(q_lat.dtype))
+                       bool(interpret), config.for_dtype(q_lat.dtype).for_tables(len(kv_tables)))

@@ -12,6 +12,7 @@ Axis letters: B batch, S sequence, D model, V vocab, K indexer top-k.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import jax
@@ -246,7 +247,8 @@ class GlmMoeDsa(nnx.Module):
         table = rope_lib.rotary_table(cfg.rope, cfg.qk_rope_head_dim)
         cos, sin = rope_lib.rope_cos_sin(positions, table)
         cos, sin = cos[None], sin[None]  # [1,S,R/2]
-        h = jnp.take(gathered_value(self.embed_tokens), input_ids, axis=0)
+        tokens = batch * seq  # few (decode, the response-only update): the sharded weights are used in place
+        h = jnp.take(gathered_value(self.embed_tokens, tokens), input_ids, axis=0)
         h = constrain(h, ("batch", "seq", "embed"))
         num_keys = seq if cache is None else cache.capacity
         topk = jnp.zeros((batch, seq, min(cfg.index_topk, num_keys)), jnp.int32)
@@ -261,8 +263,9 @@ class GlmMoeDsa(nnx.Module):
             def body(carry, xs, graphdef=graphdef, seg_cache=seg_cache):
                 h, topk = carry
                 unit_state, rep = xs
-                # FSDP: this layer's base weights all-gathered here, inside the loop, one layer at a time.
-                unit = nnx.merge(graphdef, gather_params(unit_state))
+                # FSDP: this layer's base weights all-gathered here, inside the loop, one layer at a time
+                # (for many tokens; a few tokens' activations travel to the shards instead).
+                unit = nnx.merge(graphdef, gather_params(unit_state, tokens))
                 unit_cache = None if seg_cache is None else (*seg_cache, rep, cache.length)
                 h, topk, made, entries = unit(h, cos, sin, positions, topk, unit_cache, emit_entries)
                 return (h, topk), (made, entries)
@@ -298,14 +301,15 @@ class GlmMoeDsa(nnx.Module):
         """
         return init_cache(self.cfg, self.segments_plan, batch, capacity, dtype or self.opts.param_dtype)
 
-    def unembedding(self) -> jax.Array:
-        """The logits projection's weight (lm_head [D,V], or the tied embedding [V,D]), gathered whole."""
-        return gathered_value(self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head)
+    def unembedding(self, tokens: int | None = None) -> jax.Array:
+        """The logits projection's weight (lm_head [D,V], or the tied embedding [V,D]), gathered whole unless
+        it serves fewer than `rules.FSDP_GATHER_MIN_TOKENS` `tokens` (then the logits come out vocab-sharded)."""
+        return gathered_value(self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head, tokens)
 
     def logits(self, h: jax.Array, unembedding: jax.Array | None = None) -> jax.Array:
         """`h: [..., D] -> [..., V]` float32; `unembedding`: `self.unembedding()` when the caller gathered it
         once for several calls (e.g. outside a loop over chunks)."""
-        w = self.unembedding() if unembedding is None else unembedding
+        w = self.unembedding(math.prod(h.shape[:-1])) if unembedding is None else unembedding
         spec = "...d,vd->...v" if self.cfg.tie_word_embeddings else "...d,dv->...v"
         h = h.astype(w.dtype)
         out = jnp.einsum(spec, h, w, preferred_element_type=jnp.float32)
@@ -333,7 +337,7 @@ def target_logprobs(model: GlmMoeDsa, h: jax.Array, targets: jax.Array, chunk: i
     h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
     targets = jnp.pad(targets, ((0, 0), (0, pad)))
     nc = h.shape[1] // c
-    unembedding = model.unembedding()  # gathered once, not per chunk
+    unembedding = model.unembedding(batch * n)  # gathered once (for many tokens), not per chunk
 
     def one(args):
         hc, tc = args  # [B,c,D], [B,c]

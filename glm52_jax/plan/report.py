@@ -156,6 +156,7 @@ def _time_lines(report: dict[str, Any]) -> list[str]:
                  tr["collective_bytes_executed_within_host"] / 1e9, tr["collective_bytes_executed_across_hosts"] / 1e9,
                  t["compute_s"], t["memory_s"], t["communication_s"], t["modeled_s"])
         lines.append(f"{name:<13} " + " ".join(f"{c:10.4g}" for c in cells) + f" {p['calls_per_transaction']:6d}")
-    lines.append(f"budget per device: {target['device_memory_bytes'] / 2**30:.2f} GiB x {target['memory_fraction']:.2f} "
+    lines.append(f"budget per device: {target['device_memory_bytes'] / 2**30:.2f} GiB "
+                 f"x {target['memory_fraction']:.2f} "
                  f"(XLA_PYTHON_CLIENT_MEM_FRACTION of launch/run_node.sh) = {target['budget_bytes'] / 1e9:.2f} GB")
     return lines

@@ -112,3 +112,19 @@ def test_tiny_model_train_step_compiles():
 
     compiled = aot.compile_for_gpu(train_step, lora, rest, SD((1, 96), jnp.int32), target="h200")
     assert set(KERNELS) <= set(compiled.kernels), sorted(compiled.kernels)
+
+
+@pytest.mark.slow
+def test_two_table_forward_fits_h20():
+    """A cached chunk's forward reads two tables (the cache and its own rows): at 64-slot steps it asked 295,680 B
+    of shared memory (the 2M plan's prefill tail); `KernelConfig.for_tables` halves the step for two tables."""
+    def program(q_lat, q_rope, c_kv, k_rope, c_new, r_new, topk):
+        codes = encode_rows(jnp.maximum(topk, 0), topk >= 0)
+        return sparse_mla_tables(q_lat, q_rope, (c_kv, c_new), (k_rope, r_new), codes, scale=0.04)
+
+    queries = 512
+    args = (SD((1, queries, H, C), jnp.bfloat16), SD((1, queries, H, R), jnp.bfloat16), SD((8192, C), jnp.bfloat16),
+            SD((8192, R), jnp.bfloat16), SD((queries, C), jnp.bfloat16), SD((queries, R), jnp.bfloat16),
+            SD((1, queries, K), jnp.int32))
+    resources = aot.compile_for_gpu(program, *args, target="h20").kernels["sparse_mla_forward"]
+    assert resources.shared_memory <= _smem_limit("h20")
