@@ -59,6 +59,23 @@ class KVCache:
             total += max(s.data.nbytes for s in shards) if shards else a.size * a.dtype.itemsize
         return total
 
+    # What the model's layer scan asks of a cache (`model/shared_cache.SharedCache` answers the same).
+    @property
+    def key_slots(self) -> int:
+        """Key slots a query may select from (the top-k's index space)."""
+        return self.capacity
+
+    @property
+    def next_position(self) -> jax.Array:
+        """Position of the next token run against this cache."""
+        return self.length
+
+    def segment(self, s: int) -> SegmentCache:
+        return SegmentCache(self.c_kv[s], self.k_rope[s], self.index_k[s], self.length)
+
+    def write(self, new_c, new_r, new_i, seq: int) -> KVCache:
+        return write_chunk(self, new_c, new_r, new_i, seq)
+
 
 def slot_capacity(tokens: int, multiple: int, ways: int = 1) -> int:
     """Cache slots for `tokens` (prompt + new): rounded up to a multiple of lcm(`multiple`, `ways`).
@@ -114,19 +131,6 @@ def cache_from_entries(new_c, new_r, new_i, seq: int, capacity: int, dtype) -> K
                    tuple(fill(a, jnp.float32) for a in new_i), jnp.asarray(seq, jnp.int32))
 
 
-def broadcast_batch(cache: KVCache, batch: int) -> KVCache:
-    """Repeats a batch-1 cache (one shared prompt) to `batch` rows, in new arrays only (`length`
-    too): the sampler donates the result to its decode loop and keeps `cache` in its prefix cache."""
-    if cache.batch != 1:
-        raise ValueError(f"broadcast_batch needs a batch-1 cache, got batch {cache.batch}")
-
-    def rep(a):
-        return jnp.repeat(a, batch, axis=2)
-
-    return KVCache(tuple(map(rep, cache.c_kv)), tuple(map(rep, cache.k_rope)), tuple(map(rep, cache.index_k)),
-                   jnp.array(cache.length, copy=True))
-
-
 @dataclasses.dataclass(frozen=True)
 class LayerCacheView:
     """One layer's part of a segment's stacked cache, read in place (never sliced out).
@@ -146,6 +150,23 @@ class LayerCacheView:
     @property
     def capacity(self) -> int:
         return self.c_kv.shape[-2]
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentCache:
+    """One segment's stacks of a `KVCache` (read in place by the segment's layer scan) and its `length`."""
+
+    c_kv: jax.Array  # [repeats, U, B, Cap, C]
+    k_rope: jax.Array  # [repeats, U, B, Cap, R]
+    index_k: jax.Array  # [repeats, F, B, Cap, I]
+    length: jax.Array
+
+    def layer(self, rep, slot: int, full_slot: int | None) -> LayerCacheView:
+        """The view of unit layer `slot` at repeat `rep`; `full_slot`: its index among the unit's
+        'full' layers, None on a 'shared' layer (no indexer keys)."""
+        full = full_slot is not None
+        return LayerCacheView(self.c_kv, self.k_rope, self.index_k if full else None, (rep, slot),
+                              (rep, full_slot) if full else None, self.length)
 
 
 def write_chunk(cache: KVCache, new_c, new_r, new_i, seq: int) -> KVCache:

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from glm52_jax.model.kv_cache import CACHE_AXES, KVCache, init_cache
+from glm52_jax.model.shared_cache import SUFFIX_AXES, SuffixCache, init_suffix
 from glm52_jax.model.transformer import GlmMoeDsa, layer_kinds, plan_segments
 from glm52_jax.parallel.rules import logical_to_spec
 
@@ -64,7 +65,7 @@ def tree_bytes(tree, per_device: bool) -> int:
     return sum(math.prod(x.shape) * itemsize(x.dtype) for x in leaves)
 
 
-def cache_bytes(cache: KVCache, per_device: bool) -> int:
+def cache_bytes(cache: KVCache | SuffixCache, per_device: bool) -> int:
     """Bytes of a cache's arrays (not its `length` scalar)."""
     return tree_bytes((cache.c_kv, cache.k_rope, cache.index_k), per_device)
 
@@ -101,3 +102,15 @@ def abstract_cache(cfg, segments, batch: int, capacity: int, dtype, mesh) -> KVC
 
     return KVCache(tuple(map(put, shapes.c_kv)), tuple(map(put, shapes.k_rope)), tuple(map(put, shapes.index_k)),
                    sds((), jnp.int32, mesh, None))
+
+
+def abstract_suffix(cfg, segments, rows: int, capacity: int, dtype, mesh) -> SuffixCache:
+    """A per-sample SuffixCache of ShapeDtypeStructs (`rows` x `capacity` slots per layer), placed as
+    `init_suffix` places it (SUFFIX_AXES: slots not sharded); the `length` scalar replicated."""
+    shapes = jax.eval_shape(lambda: init_suffix(cfg, segments, rows, capacity, dtype))
+
+    def put(a):
+        return sds(a.shape, a.dtype, mesh, SUFFIX_AXES)
+
+    return SuffixCache(tuple(map(put, shapes.c_kv)), tuple(map(put, shapes.k_rope)), tuple(map(put, shapes.index_k)),
+                       sds((), jnp.int32, mesh, None))
