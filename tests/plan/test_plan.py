@@ -95,8 +95,9 @@ def test_folded_memory_matches_the_abstract_state(folded):
     assert prefill["argument_bytes"] == weights + cache["batch1_bytes_per_device"] + ids + 4  # + length
     assert prefill["output_bytes"] >= cache["batch1_bytes_per_device"]  # the updated cache comes back
     decode = folded["programs"]["decode"]["memory"]
-    # Weights, the prompt cache, the suffixes (+ h_last, PRNG keys, lengths: a few hundred bytes).
-    assert 0 < decode["argument_bytes"] - weights - cache["decode_bytes_per_device"] < 1024
+    # Weights, the prompt cache, the suffixes, h_last [S, D] float32, S PRNG keys (8 bytes) and two lengths.
+    h_last = 4 * CFG.hidden_size * 4
+    assert decode["argument_bytes"] == weights + cache["decode_bytes_per_device"] + h_last + 4 * 8 + 2 * 4
     # The suffix is donated (the loop runs on its buffers); the prompt cache is not (the prefix cache keeps it).
     assert cache["suffix_bytes_per_device"] <= decode["alias_bytes"] < cache["suffix_bytes_per_device"] + 1024
     # Train holds the prefix cache, the adapters and AdamW's two moments of them, sharded like the
@@ -132,8 +133,9 @@ def test_folded_collectives_and_flops(folded):
             continue
         # The HLO count reproduces XLA's own (loop bodies once) to within a few percent...
         assert 0.8 < fl["flops_static"] / fl["xla_flops"] < 1.2, (name, fl)
-        # ...and the layer scan (2 repeats) and the query-block maps run their bodies several times.
-        assert fl["flops_executed"] > 1.5 * fl["flops_static"], (name, fl)
+        # ...and the layer scan (2 repeats) and the query-block maps run their bodies several times (new_logprobs
+        # runs the G responses in one pass against the shared prompt cache: no per-sample loop on top).
+        assert fl["flops_executed"] > (1.3 if name == "new_logprobs" else 1.5) * fl["flops_static"], (name, fl)
         assert 0 < fl["ragged_dot_flops_executed"] < fl["dot_flops_executed"] <= fl["flops_executed"]
         # The dense CPU ragged_dot does E=8 groups' work; a grouped GEMM would do one.
         grouped = fl["flops_executed"] - fl["ragged_dot_flops_executed"] * 7 / 8
