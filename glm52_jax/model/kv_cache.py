@@ -104,18 +104,19 @@ def init_cache(cfg: ModelConfig, segments, batch: int, capacity: int, dtype=jnp.
     """
     if capacity <= 0 or batch <= 0:
         raise ValueError(f"cache batch and capacity must be positive, got batch={batch} capacity={capacity}")
-    c_kv, k_rope, index_k = [], [], []
+    return KVCache(*empty_stacks(cfg, segments, batch, capacity, dtype, CACHE_AXES), jnp.zeros((), jnp.int32))
 
+
+def empty_stacks(cfg: ModelConfig, segments, batch: int, slots: int, dtype, axes) -> tuple[tuple, tuple, tuple]:
+    """Zero (c_kv, k_rope, index_k) stacks per segment, [repeats, U|F, batch, slots, *] (index keys float32),
+    each constrained to the logical `axes`."""
     def zeros(shape, dt):
-        return constrain(jnp.zeros(shape, dt), CACHE_AXES)
+        return tuple(constrain(jnp.zeros(s, dt), axes) for s in shape)
 
-    for seg in segments:
-        n = len(seg.unit)
-        full = sum(1 for kind in seg.unit if kind[1] == "full")
-        c_kv.append(zeros((seg.repeats, n, batch, capacity, cfg.kv_lora_rank), dtype))
-        k_rope.append(zeros((seg.repeats, n, batch, capacity, cfg.qk_rope_head_dim), dtype))
-        index_k.append(zeros((seg.repeats, full, batch, capacity, cfg.index_head_dim), jnp.float32))
-    return KVCache(tuple(c_kv), tuple(k_rope), tuple(index_k), jnp.zeros((), jnp.int32))
+    units = [(seg.repeats, len(seg.unit), sum(1 for kind in seg.unit if kind[1] == "full")) for seg in segments]
+    return (zeros([(r, n, batch, slots, cfg.kv_lora_rank) for r, n, _ in units], dtype),
+            zeros([(r, n, batch, slots, cfg.qk_rope_head_dim) for r, n, _ in units], dtype),
+            zeros([(r, f, batch, slots, cfg.index_head_dim) for r, _, f in units], jnp.float32))
 
 
 def cache_from_entries(new_c, new_r, new_i, seq: int, capacity: int, dtype) -> KVCache:

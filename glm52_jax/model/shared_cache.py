@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 from glm52_jax.config import ModelConfig
 from glm52_jax.model import context_parallel as context
 from glm52_jax.model.indexer import cached_topk, merge_topk, streaming_topk
-from glm52_jax.model.kv_cache import KVCache, LayerCacheView, SegmentCache
+from glm52_jax.model.kv_cache import KVCache, LayerCacheView, SegmentCache, empty_stacks
 from glm52_jax.model.sparse_attention import cached_rows, sparse_mla_rows
 from glm52_jax.parallel.rules import constrain
 
@@ -84,17 +84,7 @@ def init_suffix(cfg: ModelConfig, segments, rows: int, capacity: int, dtype=jnp.
     """An empty suffix for `rows` samples of up to `capacity` tokens each (`capacity` may be 0)."""
     if rows <= 0 or capacity < 0:
         raise ValueError(f"suffix rows must be positive and capacity >= 0, got rows={rows} capacity={capacity}")
-
-    def zeros(shape, dt):
-        return constrain(jnp.zeros(shape, dt), SUFFIX_AXES)
-
-    c_kv, k_rope, index_k = [], [], []
-    for seg in segments:
-        n, full = len(seg.unit), sum(1 for kind in seg.unit if kind[1] == "full")
-        c_kv.append(zeros((seg.repeats, n, rows, capacity, cfg.kv_lora_rank), dtype))
-        k_rope.append(zeros((seg.repeats, n, rows, capacity, cfg.qk_rope_head_dim), dtype))
-        index_k.append(zeros((seg.repeats, full, rows, capacity, cfg.index_head_dim), jnp.float32))
-    return SuffixCache(tuple(c_kv), tuple(k_rope), tuple(index_k), jnp.zeros((), jnp.int32))
+    return SuffixCache(*empty_stacks(cfg, segments, rows, capacity, dtype, SUFFIX_AXES), jnp.zeros((), jnp.int32))
 
 
 def write_suffix(suffix: SuffixCache, new_c, new_r, new_i, seq: int) -> SuffixCache:

@@ -95,22 +95,18 @@ def model_segments(cfg) -> tuple:
 def abstract_cache(cfg, segments, batch: int, capacity: int, dtype, mesh) -> KVCache:
     """A KVCache of ShapeDtypeStructs ([batch, capacity] slots per layer), slots sharded like
     `write_chunk` keeps them (CACHE_AXES); the `length` scalar replicated."""
-    shapes = jax.eval_shape(lambda: init_cache(cfg, segments, batch, capacity, dtype))
-
-    def put(a):
-        return sds(a.shape, a.dtype, mesh, CACHE_AXES)
-
-    return KVCache(tuple(map(put, shapes.c_kv)), tuple(map(put, shapes.k_rope)), tuple(map(put, shapes.index_k)),
-                   sds((), jnp.int32, mesh, None))
+    return _abstract(jax.eval_shape(lambda: init_cache(cfg, segments, batch, capacity, dtype)), CACHE_AXES, mesh)
 
 
 def abstract_suffix(cfg, segments, rows: int, capacity: int, dtype, mesh) -> SuffixCache:
     """A per-sample SuffixCache of ShapeDtypeStructs (`rows` x `capacity` slots per layer), placed as
     `init_suffix` places it (SUFFIX_AXES: slots not sharded); the `length` scalar replicated."""
-    shapes = jax.eval_shape(lambda: init_suffix(cfg, segments, rows, capacity, dtype))
+    return _abstract(jax.eval_shape(lambda: init_suffix(cfg, segments, rows, capacity, dtype)), SUFFIX_AXES, mesh)
 
-    def put(a):
-        return sds(a.shape, a.dtype, mesh, SUFFIX_AXES)
 
-    return SuffixCache(tuple(map(put, shapes.c_kv)), tuple(map(put, shapes.k_rope)), tuple(map(put, shapes.index_k)),
-                       sds((), jnp.int32, mesh, None))
+def _abstract(shapes, axes, mesh):
+    """`shapes` (a KVCache / SuffixCache of shapes) with every stack sharded by `axes`, `length` replicated."""
+    def put(stacks):
+        return tuple(sds(a.shape, a.dtype, mesh, axes) for a in stacks)
+
+    return type(shapes)(put(shapes.c_kv), put(shapes.k_rope), put(shapes.index_k), sds((), jnp.int32, mesh, None))
