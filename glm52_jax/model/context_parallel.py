@@ -252,8 +252,8 @@ def cp_cached_attention(axes: tuple[str, ...], q_lat, q_rope, c_new, r_new, posi
 
 def _partial_attention(q_lat, q_rope, topk, cache_c, cache_r, slot, c_new, r_new, length, base, local_cap, scale,
                        axes):
-    """Softmax attention over the selected keys this device holds, combined across `axes` by
-    log-sum-exp: out = sum_d exp(m_d - M) o_d / sum_d exp(m_d - M) l_d."""
+    """Softmax attention over the selected keys this device holds (cache rows in its slot range, chunk
+    rows whose slots it will own), combined across `axes` by `lse_attention`."""
     lead = tuple(jnp.asarray(i, jnp.int32) for i in slot)
     b = jnp.arange(topk.shape[0], dtype=jnp.int32)[:, None, None]
     valid = topk >= 0
@@ -266,9 +266,16 @@ def _partial_attention(q_lat, q_rope, topk, cache_c, cache_r, slot, c_new, r_new
         chunk = jax.vmap(lambda r, i: r[i])(fresh, jnp.clip(topk - length, 0, fresh.shape[1] - 1))
         rows.append(jnp.where(in_cache[..., None], past, chunk.astype(past.dtype)).astype(q_lat.dtype))
     kv, kr = rows
+    return lse_attention(q_lat, q_rope, kv, kr, mine, scale, axes)
+
+
+def lse_attention(q_lat, q_rope, kv, kr, keep, scale, axes):
+    """Softmax attention of `q_lat: [B,S,H,C]`, `q_rope: [B,S,H,R]` over the gathered rows `kv: [B,S,K,C]`,
+    `kr: [B,S,K,R]` that this device keeps (`keep: [B,S,K]`), combined across `axes` by log-sum-exp:
+    out = sum_d exp(m_d - M) o_d / sum_d exp(m_d - M) l_d (each selected key kept on exactly one device)."""
     logits = jnp.einsum("bshc,bskc->bshk", q_lat, kv, preferred_element_type=jnp.float32)
     logits = (logits + jnp.einsum("bshr,bskr->bshk", q_rope, kr, preferred_element_type=jnp.float32)) * scale
-    keep = mine[:, :, None, :]
+    keep = keep[:, :, None, :]
     m = jnp.max(jnp.where(keep, logits, -jnp.inf), axis=-1)  # [B,S,H]; -inf: nothing here
     # The combine is exact for any shift, so the shift carries no gradient.
     m_all = jax.lax.pmax(jax.lax.stop_gradient(m), axes)

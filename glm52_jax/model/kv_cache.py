@@ -59,6 +59,23 @@ class KVCache:
             total += max(s.data.nbytes for s in shards) if shards else a.size * a.dtype.itemsize
         return total
 
+    # What the model's layer scan asks of a cache (`model/shared_cache.SharedCache` answers the same).
+    @property
+    def key_slots(self) -> int:
+        """Key slots a query may select from (the top-k's index space)."""
+        return self.capacity
+
+    @property
+    def next_position(self) -> jax.Array:
+        """Position of the next token run against this cache."""
+        return self.length
+
+    def segment(self, s: int) -> SegmentCache:
+        return SegmentCache(self.c_kv[s], self.k_rope[s], self.index_k[s], self.length)
+
+    def write(self, new_c, new_r, new_i, seq: int) -> KVCache:
+        return write_chunk(self, new_c, new_r, new_i, seq)
+
 
 def slot_capacity(tokens: int, multiple: int, ways: int = 1) -> int:
     """Cache slots for `tokens` (prompt + new): rounded up to a multiple of lcm(`multiple`, `ways`).
@@ -87,18 +104,19 @@ def init_cache(cfg: ModelConfig, segments, batch: int, capacity: int, dtype=jnp.
     """
     if capacity <= 0 or batch <= 0:
         raise ValueError(f"cache batch and capacity must be positive, got batch={batch} capacity={capacity}")
-    c_kv, k_rope, index_k = [], [], []
+    return KVCache(*empty_stacks(cfg, segments, batch, capacity, dtype, CACHE_AXES), jnp.zeros((), jnp.int32))
 
+
+def empty_stacks(cfg: ModelConfig, segments, batch: int, slots: int, dtype, axes) -> tuple[tuple, tuple, tuple]:
+    """Zero (c_kv, k_rope, index_k) stacks per segment, [repeats, U|F, batch, slots, *] (index keys float32),
+    each constrained to the logical `axes`."""
     def zeros(shape, dt):
-        return constrain(jnp.zeros(shape, dt), CACHE_AXES)
+        return tuple(constrain(jnp.zeros(s, dt), axes) for s in shape)
 
-    for seg in segments:
-        n = len(seg.unit)
-        full = sum(1 for kind in seg.unit if kind[1] == "full")
-        c_kv.append(zeros((seg.repeats, n, batch, capacity, cfg.kv_lora_rank), dtype))
-        k_rope.append(zeros((seg.repeats, n, batch, capacity, cfg.qk_rope_head_dim), dtype))
-        index_k.append(zeros((seg.repeats, full, batch, capacity, cfg.index_head_dim), jnp.float32))
-    return KVCache(tuple(c_kv), tuple(k_rope), tuple(index_k), jnp.zeros((), jnp.int32))
+    units = [(seg.repeats, len(seg.unit), sum(1 for kind in seg.unit if kind[1] == "full")) for seg in segments]
+    return (zeros([(r, n, batch, slots, cfg.kv_lora_rank) for r, n, _ in units], dtype),
+            zeros([(r, n, batch, slots, cfg.qk_rope_head_dim) for r, n, _ in units], dtype),
+            zeros([(r, f, batch, slots, cfg.index_head_dim) for r, _, f in units], jnp.float32))
 
 
 def cache_from_entries(new_c, new_r, new_i, seq: int, capacity: int, dtype) -> KVCache:
@@ -112,19 +130,6 @@ def cache_from_entries(new_c, new_r, new_i, seq: int, capacity: int, dtype) -> K
 
     return KVCache(tuple(fill(a, dtype) for a in new_c), tuple(fill(a, dtype) for a in new_r),
                    tuple(fill(a, jnp.float32) for a in new_i), jnp.asarray(seq, jnp.int32))
-
-
-def broadcast_batch(cache: KVCache, batch: int) -> KVCache:
-    """Repeats a batch-1 cache (one shared prompt) to `batch` rows, in new arrays only (`length`
-    too): the sampler donates the result to its decode loop and keeps `cache` in its prefix cache."""
-    if cache.batch != 1:
-        raise ValueError(f"broadcast_batch needs a batch-1 cache, got batch {cache.batch}")
-
-    def rep(a):
-        return jnp.repeat(a, batch, axis=2)
-
-    return KVCache(tuple(map(rep, cache.c_kv)), tuple(map(rep, cache.k_rope)), tuple(map(rep, cache.index_k)),
-                   jnp.array(cache.length, copy=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +151,23 @@ class LayerCacheView:
     @property
     def capacity(self) -> int:
         return self.c_kv.shape[-2]
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentCache:
+    """One segment's stacks of a `KVCache` (read in place by the segment's layer scan) and its `length`."""
+
+    c_kv: jax.Array  # [repeats, U, B, Cap, C]
+    k_rope: jax.Array  # [repeats, U, B, Cap, R]
+    index_k: jax.Array  # [repeats, F, B, Cap, I]
+    length: jax.Array
+
+    def layer(self, rep, slot: int, full_slot: int | None) -> LayerCacheView:
+        """The view of unit layer `slot` at repeat `rep`; `full_slot`: its index among the unit's
+        'full' layers, None on a 'shared' layer (no indexer keys)."""
+        full = full_slot is not None
+        return LayerCacheView(self.c_kv, self.k_rope, self.index_k if full else None, (rep, slot),
+                              (rep, full_slot) if full else None, self.length)
 
 
 def write_chunk(cache: KVCache, new_c, new_r, new_i, seq: int) -> KVCache:

@@ -17,11 +17,13 @@ from flax import nnx
 from glm52_jax import positions as rope_lib
 from glm52_jax.config import ModelConfig
 from glm52_jax.model import context_parallel as context
+from glm52_jax.model import shared_cache
 from glm52_jax.model.indexer import Indexer, cached_topk, merge_topk, streaming_topk
 from glm52_jax.model.kv_cache import LayerCacheView
 from glm52_jax.model.layers import RMSNorm, param, project
 from glm52_jax.model.lora import KVBAdapter, adapter, targets
 from glm52_jax.model.options import ModelOptions
+from glm52_jax.model.shared_cache import SharedLayerView
 from glm52_jax.model.sparse_attention import array_rows, cached_rows, sparse_mla_rows
 from glm52_jax.parallel.rules import constrain
 
@@ -61,7 +63,8 @@ class Attention(nnx.Module):
 
         x: [B,S,D] (normed); cos/sin: [.,S,R/2]; positions: [S] int32 of the chunk's tokens.
         cache: None (the chunk is the whole sequence) or a read-only view of this layer's cache
-        holding `cache.length` earlier tokens; the chunk sits at slots `length .. length+S-1`.
+        holding `cache.length` earlier tokens; the chunk sits at slots `length .. length+S-1`; or a
+        `SharedLayerView` (one prompt cache shared by the B rows plus their suffixes, shared_cache.py).
         Returns (y [B,S,D], top-k [B,S,K] in key-slot space, this chunk's cache entries
         (c_kv [B,S,C], k_rope [B,S,R], indexer key [B,S,I] or None) for the caller to write).
         """
@@ -86,9 +89,17 @@ class Attention(nnx.Module):
                       kernels=self.opts.kernels, score_dtype=self.opts.param_dtype)
         iscale = cfg.index_head_dim ** -0.5
         layout = context.current() if cache is None else None
-        sharded_cache = None if cache is None else context.cached_layout(
+        shared = isinstance(cache, SharedLayerView)
+        sharded_cache = None if cache is None or shared else context.cached_layout(
             x.shape[0] * x.shape[1], cache.capacity, self.opts.context_parallel)
-        if sharded_cache is not None:  # each device scores and attends to the cache slots it holds
+        if shared:  # G rows against one batch-1 prompt cache and their own suffixes
+            out_lat, topk = shared_cache.attention(
+                q_lat, q_rope, c_kv, k_rope, positions, cache, None if self.indexer is None else (iq, iw, ik),
+                prev_topk if self.indexer is None else None, index_topk=cfg.index_topk, index_scale=iscale,
+                softmax_scale=cfg.softmax_scale, indexer_blocks=blocks,
+                attention_query_block=self.opts.attention_query_block, kernels=self.opts.kernels,
+                context_parallel=self.opts.context_parallel)
+        elif sharded_cache is not None:  # each device scores and attends to the cache slots it holds
             out_lat, topk = context.cp_cached_attention(
                 sharded_cache[0], q_lat, q_rope, c_kv, k_rope, positions, cache,
                 None if self.indexer is None else (iq, iw, ik), prev_topk if self.indexer is None else None,

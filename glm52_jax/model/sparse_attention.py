@@ -66,8 +66,9 @@ class CachedRows:
 
     cache_c: [..., B, Cap, C] and cache_r: [..., B, Cap, R] are read in place at `index` (one gather
     from the whole stack, no per-layer slice copy); slots `>= length` come from the chunk's own
-    rows `new_c: [B,S,C]`, `new_r: [B,S,R]` (slot `length + j` is chunk row j). For the kernels the
-    tables are the whole stack flattened to rows (A) and the chunk's rows (B).
+    rows `new_c: [B,S,C]`, `new_r: [B,S,R]` (slot `length + j` is chunk row j). A batch-1 stack is
+    shared by all B rows (`model/shared_cache.py`: one prompt cache, `new_*` each row's suffix and
+    chunk). For the kernels the tables are the whole stack flattened to rows (A) and the chunk's rows (B).
     """
 
     def __init__(self, cache_c, cache_r, index: tuple, length, new_c, new_r):
@@ -82,11 +83,15 @@ class CachedRows:
         new = jnp.clip(idx - self.length, 0, self.new_c.shape[1] - 1)
         return b, in_cache, old, new
 
+    def _cache_row(self, b):
+        """The stack's batch index of query row `b`: its own, or 0 for a shared batch-1 stack."""
+        return b if self.cache_c.shape[-3] > 1 else jnp.zeros_like(b)
+
     def __call__(self, idx):  # [B,s,K], all >= 0
         b, in_cache, old, new = self._slots(idx)
         out = []
         for cached, fresh in ((self.cache_c, self.new_c), (self.cache_r, self.new_r)):
-            past = cached[(*self.lead, b, old)]
+            past = cached[(*self.lead, self._cache_row(b), old)]
             mine = _gather_rows(fresh, new).astype(past.dtype)
             out.append(jnp.where(in_cache[..., None], past, mine))
         return tuple(out)
@@ -100,7 +105,7 @@ class CachedRows:
         stack = self.cache_c.shape[:-3]
         batch, capacity = self.cache_c.shape[-3:-1]
         flat_lead = sum((i * math.prod(stack[n + 1:]) for n, i in enumerate(self.lead)), jnp.int32(0))
-        in_stack = (flat_lead * batch + b) * capacity + old
+        in_stack = (flat_lead * batch + self._cache_row(b)) * capacity + old
         stack_rows = math.prod(stack) * batch * capacity
         return jnp.where(in_cache, in_stack, stack_rows + b * self.new_c.shape[1] + new)
 

@@ -22,12 +22,13 @@ from flax import nnx
 from glm52_jax import positions as rope_lib
 from glm52_jax.config import ModelConfig
 from glm52_jax.model import context_parallel as context
-from glm52_jax.model.kv_cache import KVCache, LayerCacheView, cache_from_entries, init_cache, write_chunk
+from glm52_jax.model.kv_cache import KVCache, cache_from_entries, init_cache
 from glm52_jax.model.layers import RMSNorm, gather_params, gathered, gathered_value, param
 from glm52_jax.model.lora import adapter
 from glm52_jax.model.mla import Attention
 from glm52_jax.model.moe import MLP, MoE
 from glm52_jax.model.options import ModelOptions
+from glm52_jax.model.shared_cache import SharedCache, SuffixCache, init_suffix
 from glm52_jax.parallel.rules import constrain
 
 LayerKind = tuple[str, str]  # (mlp type, indexer type)
@@ -97,8 +98,8 @@ class Unit(nnx.Module):
         self.layers = nnx.List([DecoderLayer(cfg, kind, opts, rngs) for kind in unit])
 
     def __call__(self, h, cos, sin, positions, topk, unit_cache=None, emit_entries=False):
-        """unit_cache: None, or (c_kv [reps,U,B,Cap,C], k_rope [reps,U,B,Cap,R], index_k [reps,F,B,Cap,I],
-        repeat index, length): the whole segment's cache, read in place at this unit's repeat.
+        """unit_cache: None, or (segment cache, repeat index): the whole segment's cache (a
+        `kv_cache.SegmentCache` or `shared_cache.SharedSegment`), read in place at this unit's repeat.
 
         Returns (h, topk, top-k of each full layer, the chunk's new entries stacked
         ([U,B,S,C], [U,B,S,R], [F,B,S,I]), or None without a cache unless `emit_entries`).
@@ -109,9 +110,8 @@ class Unit(nnx.Module):
             view = None
             full = kind[1] == "full"
             if unit_cache is not None:
-                seg_c, seg_r, seg_i, rep, length = unit_cache
-                view = LayerCacheView(seg_c, seg_r, seg_i if full else None, (rep, slot),
-                                      (rep, full_slot) if full else None, length)
+                seg_cache, rep = unit_cache
+                view = seg_cache.layer(rep, slot, full_slot if full else None)
             h, topk, (c_kv, k_rope, ik) = layer(h, cos, sin, positions, topk, view)
             new_c.append(c_kv)
             new_r.append(k_rope)
@@ -203,6 +203,24 @@ class GlmMoeDsa(nnx.Module):
         h, _, cache, _ = self._run(input_ids, positions, cache)
         return h, cache
 
+    def forward_shared(self, input_ids: jax.Array, prompt: KVCache,
+                       suffix: SuffixCache) -> tuple[jax.Array, SuffixCache]:
+        """Runs a chunk for G rows after one shared prompt (`model/shared_cache.py`): `input_ids: [G,S]` at
+        positions `prompt.length + suffix.length + (0 .. S-1)`, against the batch-1 `prompt` cache (only
+        read) and the rows' `suffix` (G rows; capacity 0: nothing kept). Returns (hidden states [G,S,D],
+        the suffix with the chunk written)."""
+        seq = input_ids.shape[-1]
+        if prompt.batch != 1 or suffix.rows != input_ids.shape[0]:
+            raise ValueError(f"forward_shared: a batch-1 prompt cache and a suffix of {input_ids.shape[0]} rows, "
+                             f"got batch {prompt.batch} and {suffix.rows} rows")
+        if (suffix.capacity and not isinstance(suffix.length, jax.core.Tracer)
+                and int(suffix.length) + seq > suffix.capacity):
+            raise ValueError(f"suffix overflow: {int(suffix.length)} + {seq} tokens > capacity {suffix.capacity}")
+        cache = SharedCache(prompt, suffix)
+        positions = cache.next_position + jnp.arange(seq, dtype=jnp.int32)
+        h, _, cache, _ = self._run(input_ids, positions, cache)
+        return h, cache.suffix
+
     def prefill(self, input_ids: jax.Array, capacity: int) -> tuple[jax.Array, KVCache]:
         """Whole-prompt prefill: the uncached forward of `input_ids: [B,S]` from position 0 that
         also returns a cache of `capacity` slots holding its S tokens.
@@ -250,7 +268,7 @@ class GlmMoeDsa(nnx.Module):
         tokens = batch * seq  # few (decode, the response-only update): the sharded weights are used in place
         h = jnp.take(gathered_value(self.embed_tokens, tokens), input_ids, axis=0)
         h = constrain(h, ("batch", "seq", "embed"))
-        num_keys = seq if cache is None else cache.capacity
+        num_keys = seq if cache is None else cache.key_slots
         topk = jnp.zeros((batch, seq, min(cfg.index_topk, num_keys)), jnp.int32)
         produced: dict[int, jax.Array] = {}
         new_c, new_r, new_i = [], [], []
@@ -258,7 +276,7 @@ class GlmMoeDsa(nnx.Module):
             graphdef, state = nnx.split(stack)
             # The segment's cache is a loop invariant of the scan (read in place by each layer);
             # the scan emits only this chunk's entries, written into the cache once afterwards.
-            seg_cache = None if cache is None else (cache.c_kv[s], cache.k_rope[s], cache.index_k[s])
+            seg_cache = None if cache is None else cache.segment(s)
 
             def body(carry, xs, graphdef=graphdef, seg_cache=seg_cache):
                 h, topk = carry
@@ -266,7 +284,7 @@ class GlmMoeDsa(nnx.Module):
                 # FSDP: this layer's base weights all-gathered here, inside the loop, one layer at a time
                 # (for many tokens; a few tokens' activations travel to the shards instead).
                 unit = nnx.merge(graphdef, gather_params(unit_state, tokens))
-                unit_cache = None if seg_cache is None else (*seg_cache, rep, cache.length)
+                unit_cache = None if seg_cache is None else (seg_cache, rep)
                 h, topk, made, entries = unit(h, cos, sin, positions, topk, unit_cache, emit_entries)
                 return (h, topk), (made, entries)
 
@@ -289,7 +307,7 @@ class GlmMoeDsa(nnx.Module):
                     produced[seg.start + rep * len(seg.unit) + j] = made[slot][rep]
         h = gathered(self.norm)(h)
         if cache is not None:
-            cache = write_chunk(cache, new_c, new_r, new_i, seq)
+            cache = cache.write(new_c, new_r, new_i, seq)
         return h, produced, cache, ((new_c, new_r, new_i) if emit_entries else None)
 
     def init_cache(self, batch: int, capacity: int, dtype=None) -> KVCache:
@@ -300,6 +318,10 @@ class GlmMoeDsa(nnx.Module):
         or attended, since whoever decodes keeps prompt + new tokens within the position limit.
         """
         return init_cache(self.cfg, self.segments_plan, batch, capacity, dtype or self.opts.param_dtype)
+
+    def init_suffix(self, rows: int, capacity: int, dtype=None) -> SuffixCache:
+        """An empty per-sample suffix for `forward_shared` (`capacity` 0: run one chunk, keep nothing)."""
+        return init_suffix(self.cfg, self.segments_plan, rows, capacity, dtype or self.opts.param_dtype)
 
     def unembedding(self, tokens: int | None = None) -> jax.Array:
         """The logits projection's weight (lm_head [D,V], or the tied embedding [V,D]), gathered whole unless

@@ -15,9 +15,10 @@ weights), and lowers + compiles the programs a GRPO transaction runs, at the con
   forward  (optional) `model.hidden_states` on ids [1, P]: the uncached whole-prompt forward.
            The sampler never runs it; `conventional` training (per sample) and `token_logprobs`
            do. For comparison, when asked for in `programs`.
-  decode   `rollout.sampler.decode_steps` exactly: a scan of R = max_new_tokens steps for
-           G = num_samples rows against the G-row cache (donated, as the sampler gives it, so the
-           loop updates it in place), each step logits + sampling + one `forward_cached` token.
+  decode   `rollout.sampler.decode_steps` exactly: a scan of R = max_new_tokens steps for the
+           S sampled rows against the one batch-1 prompt cache (read only, not donated) and the rows'
+           suffix cache of R slots (donated, as the sampler gives it, so the loop updates it in
+           place), each step logits + sampling + one `forward_shared` token.
            One step is the loop body: the per-body columns; executed = x R.
   train    one optimizer step: `rl.gradients.compute_gradients` in the configured mode (G
            per-sample backwards, accumulated; response_only takes the sampler's prefix cache as an

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from glm52_jax.model.kv_cache import CACHE_AXES, KVCache, init_cache
+from glm52_jax.model.shared_cache import SUFFIX_AXES, SuffixCache, init_suffix
 from glm52_jax.model.transformer import GlmMoeDsa, layer_kinds, plan_segments
 from glm52_jax.parallel.placement import sharding_for
 from glm52_jax.parallel.rules import logical_to_spec
@@ -65,7 +66,7 @@ def tree_bytes(tree, per_device: bool) -> int:
     return sum(math.prod(x.shape) * itemsize(x.dtype) for x in leaves)
 
 
-def cache_bytes(cache: KVCache, per_device: bool) -> int:
+def cache_bytes(cache: KVCache | SuffixCache, per_device: bool) -> int:
     """Bytes of a cache's arrays (not its `length` scalar)."""
     return tree_bytes((cache.c_kv, cache.k_rope, cache.index_k), per_device)
 
@@ -95,10 +96,18 @@ def model_segments(cfg) -> tuple:
 def abstract_cache(cfg, segments, batch: int, capacity: int, dtype, mesh) -> KVCache:
     """A KVCache of ShapeDtypeStructs ([batch, capacity] slots per layer), slots sharded like
     `write_chunk` keeps them (CACHE_AXES); the `length` scalar replicated."""
-    shapes = jax.eval_shape(lambda: init_cache(cfg, segments, batch, capacity, dtype))
+    return _abstract(jax.eval_shape(lambda: init_cache(cfg, segments, batch, capacity, dtype)), CACHE_AXES, mesh)
 
-    def put(a):
-        return sds(a.shape, a.dtype, mesh, CACHE_AXES)
 
-    return KVCache(tuple(map(put, shapes.c_kv)), tuple(map(put, shapes.k_rope)), tuple(map(put, shapes.index_k)),
-                   sds((), jnp.int32, mesh, None))
+def abstract_suffix(cfg, segments, rows: int, capacity: int, dtype, mesh) -> SuffixCache:
+    """A per-sample SuffixCache of ShapeDtypeStructs (`rows` x `capacity` slots per layer), placed as
+    `init_suffix` places it (SUFFIX_AXES: slots not sharded); the `length` scalar replicated."""
+    return _abstract(jax.eval_shape(lambda: init_suffix(cfg, segments, rows, capacity, dtype)), SUFFIX_AXES, mesh)
+
+
+def _abstract(shapes, axes, mesh):
+    """`shapes` (a KVCache / SuffixCache of shapes) with every stack sharded by `axes`, `length` replicated."""
+    def put(stacks):
+        return tuple(sds(a.shape, a.dtype, mesh, axes) for a in stacks)
+
+    return type(shapes)(put(shapes.c_kv), put(shapes.k_rope), put(shapes.index_k), sds((), jnp.int32, mesh, None))

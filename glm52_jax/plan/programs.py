@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from glm52_jax.checkpoint import digest
 from glm52_jax.model.lora import LoRA
-from glm52_jax.plan.abstract import abstract_cache, model_segments, sds, sds_even
+from glm52_jax.plan.abstract import abstract_cache, abstract_suffix, model_segments, sds, sds_even
 from glm52_jax.rl import gradients
 from glm52_jax.rollout import sampler
 
@@ -58,6 +58,11 @@ class PlanSetup:
         """The abstract `batch`-row cache of C slots."""
         return abstract_cache(self.cfg, model_segments(self.cfg), batch, self.capacity, self.opts.param_dtype,
                               self.mesh)
+
+    def suffix(self, rows: int):
+        """The abstract per-sample suffix of `rows` x R slots the decode loop carries."""
+        return abstract_suffix(self.cfg, model_segments(self.cfg), rows, self.max_new_tokens, self.opts.param_dtype,
+                               self.mesh)
 
 
 class Program(NamedTuple):
@@ -118,24 +123,27 @@ def forward_program(s: PlanSetup) -> Program:
 
 def decode_program(s: PlanSetup) -> Program:
     """`decode_steps` exactly (temperature 1, no top-k / top-p): a scan of R steps for the S rows of a
-    request (`decode_rows`; S = G unless `sampling.samples_per_request` says more) against the S-row
-    cache. A one-step program would not do: its cache update is dead code (only tokens and log-probs
-    leave the scan) and XLA deletes the forward."""
+    request (`decode_rows`; S = G unless `sampling.samples_per_request` says more) against the one
+    batch-1 prompt cache (read only) and the S rows' suffix of R slots (the carry). A one-step program
+    would not do: its suffix update is dead code (only tokens and log-probs leave the scan) and XLA
+    deletes the forward."""
     graphdef, stop_ids, steps = s.graphdef, tuple(int(t) for t in s.cfg.eos_token_id), s.max_new_tokens
 
-    def decode(state, cache, h_last, keys):
-        return sampler.decode_steps(nnx.merge(graphdef, state), cache, h_last, keys, None, steps=steps,
+    def decode(state, prompt, suffix, h_last, keys):
+        return sampler.decode_steps(nnx.merge(graphdef, state), prompt, suffix, h_last, keys, None, steps=steps,
                                     temperature=1.0, top_k=0, top_p=1.0, stop_ids=stop_ids)
 
     g = s.decode_rows
     h_last = sds_even((g, s.cfg.hidden_size), s.opts.param_dtype, s.mesh, ("batch", "embed"))
     key_shape = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), g))
     keys = sds(key_shape.shape, key_shape.dtype, s.mesh, None)
-    # Donated as the sampler donates it (a fresh broadcast per request): the loop runs on its buffers.
-    kw = dict(compiler_options=sampler.CACHE_COMPILER_OPTIONS, donate_argnums=(1,))
-    what = (f"sampler.decode_steps: scan of max_new_tokens={steps} steps for S={g} rows against the S-row cache "
-            f"(capacity {s.capacity}, donated); one step = the loop body (per-body columns), executed = x {steps}")
-    return Program(decode, (s.state, s.cache(g), h_last, keys), kw, what, 1)
+    # The suffix donated as the sampler donates it (fresh per request): the loop runs on its buffers. The
+    # prompt cache is not: the sampler's prefix cache keeps it.
+    kw = dict(compiler_options=sampler.CACHE_COMPILER_OPTIONS, donate_argnums=(2,))
+    what = (f"sampler.decode_steps: scan of max_new_tokens={steps} steps for S={g} rows against the batch-1 prompt "
+            f"cache (capacity {s.capacity}, shared, read only) and the S rows' suffix ({steps} slots, donated); "
+            f"one step = the loop body (per-body columns), executed = x {steps}")
+    return Program(decode, (s.state, s.cache(1), s.suffix(g), h_last, keys), kw, what, 1)
 
 
 def train_program(s: PlanSetup, adamw) -> Program:

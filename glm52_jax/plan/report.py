@@ -98,8 +98,8 @@ def format_plan(report: dict[str, Any]) -> str:
         f"capacity={sh['planned_capacity']} mode={sh['gradient_mode']} dtype={sh['dtype']}",
         f"params {m['param_count']:,} ({m['param_bytes'] / bs:.3f} {bu}, {m['param_bytes_per_device'] / bs:.3f} "
         f"{bu}/device); LoRA {m['lora_count']:,} ({m['lora_bytes_per_device'] / bs:.3f} {bu}/device); cache "
-        f"batch 1 {report['cache']['batch1_bytes_per_device'] / bs:.3f} {bu}/device, S rows "
-        f"{report['cache']['decode_bytes_per_device'] / bs:.3f} {bu}/device",
+        f"batch 1 {report['cache']['batch1_bytes_per_device'] / bs:.3f} {bu}/device, decode (shared prompt + S "
+        f"suffixes) {report['cache']['decode_bytes_per_device'] / bs:.3f} {bu}/device",
     ]
     ix = report.get("indexer_analytic")
     if ix:

@@ -35,7 +35,7 @@ def indexer_analytic(s: PlanSetup) -> dict[str, Any]:
 def static_report(s: PlanSetup, mesh_spec, lora, dtype) -> dict[str, Any]:
     """{"mesh", "shapes", "model", "indexer_analytic", "cache"} of a plan report."""
     _, lora_state, base = nnx.split(nnx.merge(s.graphdef, s.state), LoRA, ...)
-    cache1, cache_g = s.cache(1), s.cache(s.decode_rows)
+    cache1, suffix = s.cache(1), s.suffix(s.decode_rows)
     return {
         "mesh": {"describe": mesh_spec.describe(), "axes": dict(zip(mesh_spec.axis_names, mesh_spec.shape)),
                  "devices": mesh_spec.size, "platform": jax.default_backend(),
@@ -58,5 +58,8 @@ def static_report(s: PlanSetup, mesh_spec, lora, dtype) -> dict[str, Any]:
                   "lora_bytes": tree_bytes(lora_state, False), "lora_bytes_per_device": tree_bytes(lora_state, True)},
         "indexer_analytic": indexer_analytic(s),
         "cache": {"batch1_bytes": cache_bytes(cache1, False), "batch1_bytes_per_device": cache_bytes(cache1, True),
-                  "decode_bytes": cache_bytes(cache_g, False), "decode_bytes_per_device": cache_bytes(cache_g, True)},
+                  # Decode holds the one batch-1 prompt cache plus the S rows' suffixes (model/shared_cache.py).
+                  "suffix_bytes": cache_bytes(suffix, False), "suffix_bytes_per_device": cache_bytes(suffix, True),
+                  "decode_bytes": cache_bytes(cache1, False) + cache_bytes(suffix, False),
+                  "decode_bytes_per_device": cache_bytes(cache1, True) + cache_bytes(suffix, True)},
     }

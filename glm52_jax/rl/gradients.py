@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glm52_jax.choices import GRADIENT_MODES
+from glm52_jax.model.context_parallel import MAX_CACHED_QUERIES
 from glm52_jax.model.kv_cache import KVCache, slot_capacity, slot_ways
 from glm52_jax.model.lora import LoRA
 from glm52_jax.model.transformer import target_logprobs
@@ -109,12 +110,14 @@ def full_sequence_logprobs(model, prompt: jax.Array, response: jax.Array, chunk:
     return response_logprobs(model, h, response[None], chunk)[0]
 
 
-def cached_logprobs(model, cache: KVCache, last_prompt_token: jax.Array, response: jax.Array,
+def cached_logprobs(model, cache: KVCache, last_prompt_token: jax.Array, responses: jax.Array,
                     chunk: int) -> jax.Array:
-    """[prompt[-1]] + response[:-1] run after a batch-1 prefix cache; `response: [R] -> [R]`."""
-    ids = jnp.concatenate([last_prompt_token[None], response[:-1]])[None]
-    h, _ = model.forward_cached(ids, cache)
-    return response_logprobs(model, h, response[None], chunk)[0]
+    """[prompt[-1]] + response[:-1] of each of `responses: [G,R]` run after the batch-1 prefix cache, which
+    the G rows share (`model.forward_shared` with an empty suffix: the cache is never copied per row) -> [G,R]."""
+    rows = responses.shape[0]
+    ids = jnp.concatenate([jnp.broadcast_to(last_prompt_token, (rows, 1)), responses[:, :-1]], axis=1)
+    h, _ = model.forward_shared(ids, cache, model.init_suffix(rows, 0))
+    return response_logprobs(model, h, responses, chunk)
 
 
 def _normalisers(mask: jax.Array, settings: LossSettings) -> dict[str, jax.Array]:
@@ -182,7 +185,7 @@ def _response_only(graphdef, lora, frozen, prompt, batch, settings, norm, chunk,
     cache = jax.lax.stop_gradient(prefix)  # a constant: no gradient through the prefix
 
     def logprobs(lora, response):
-        return cached_logprobs(nnx.merge(graphdef, lora, frozen), cache, prompt[-1], response, chunk)
+        return cached_logprobs(nnx.merge(graphdef, lora, frozen), cache, prompt[-1], response[None], chunk)[0]
 
     return _per_sample(lora, batch, settings, norm, logprobs)
 
@@ -200,8 +203,8 @@ def _shared_prefix(graphdef, lora, frozen, prompt, batch, settings, norm, chunk,
 
     def logprobs(params, response):
         lora, arrays = params
-        return cached_logprobs(nnx.merge(graphdef, lora, frozen), KVCache(*arrays, length), prompt[-1], response,
-                               chunk)
+        return cached_logprobs(nnx.merge(graphdef, lora, frozen), KVCache(*arrays, length), prompt[-1],
+                               response[None], chunk)[0]
 
     # Per sample: gradients for the LoRA params and for the prefix cache, both summed over samples.
     (grads, cache_cotangent), losses, logps = _per_sample((lora, arrays), batch, settings, norm, logprobs)
@@ -262,11 +265,17 @@ def cached_response_logprobs(graphdef: nnx.GraphDef, state: nnx.State, prefix: K
                              responses: jax.Array, *, chunk: int = 1024) -> jax.Array:
     """Log-probs of `responses: [G,R]` after a batch-1 cache of `prompt[:-1]`: -> [G,R] float32.
 
-    response_only's forward without a gradient: one pass over the R response tokens per sample, the
-    prompt's keys read from `prefix` (e.g. the sampler's cache), never a whole-sequence forward.
+    response_only's forward without a gradient: one pass over the G x R response tokens, all rows against
+    the one prompt cache `prefix` (e.g. the sampler's; its keys scored once for all rows), never a
+    whole-sequence forward. The rows go in groups of at most `MAX_CACHED_QUERIES` tokens (a divisor of G),
+    the most a chunk may hold and still score the prompt where its slots live under context parallelism.
     """
     model = nnx.merge(graphdef, state)
-    return jax.lax.map(lambda response: cached_logprobs(model, prefix, prompt[-1], response, chunk), responses)
+    rows, length = responses.shape
+    group = max([d for d in range(1, rows + 1) if rows % d == 0 and d * length <= MAX_CACHED_QUERIES] or [1])
+    groups = responses.reshape(rows // group, group, length)
+    out = jax.lax.map(lambda part: cached_logprobs(model, prefix, prompt[-1], part, chunk), groups)
+    return out.reshape(rows, length)
 
 
 cached_response_logprobs_jit = jax.jit(cached_response_logprobs, static_argnames=("graphdef", "chunk"))

@@ -1,7 +1,8 @@
 """Policy sampler: chunked prefill into the DSA cache, then jitted decode of G samples.
 
-One request = one prompt shared by G samples. The prompt is prefilled once at batch 1, the cache
-is broadcast to G rows, and one `lax.scan` decodes `max_new_tokens` steps for all samples.
+One request = one prompt shared by G samples. The prompt is prefilled once at batch 1, and one
+`lax.scan` decodes `max_new_tokens` steps for all samples against that one prompt cache (read only,
+never copied per sample) plus a per-sample suffix cache of the new tokens (`model/shared_cache.py`).
 
 Prefill modes:
   chunked  (default) chunks at absolute multiples of `chunk_size`, each against the cache so far,
@@ -34,7 +35,8 @@ import numpy as np
 from flax import nnx
 
 from glm52_jax import choices
-from glm52_jax.model.kv_cache import KVCache, broadcast_batch, slot_capacity, slot_ways
+from glm52_jax.model.kv_cache import KVCache, slot_capacity, slot_ways
+from glm52_jax.model.shared_cache import SuffixCache
 from glm52_jax.model.transformer import GlmMoeDsa
 from glm52_jax.rollout.cache import PrefixCache, fit_capacity
 
@@ -126,23 +128,24 @@ def prefill_whole(model: GlmMoeDsa, ids: jax.Array, capacity: int) -> tuple[jax.
     return h[:, -1], cache
 
 
-def decode_steps(model: GlmMoeDsa, cache: KVCache, h_last: jax.Array, keys: jax.Array, forced: jax.Array | None,
-                 *, steps: int, temperature: float, top_k: int, top_p: float,
-                 stop_ids: tuple[int, ...]) -> tuple[jax.Array, jax.Array, KVCache]:
+def decode_steps(model: GlmMoeDsa, prompt: KVCache, suffix: SuffixCache, h_last: jax.Array, keys: jax.Array,
+                 forced: jax.Array | None, *, steps: int, temperature: float, top_k: int, top_p: float,
+                 stop_ids: tuple[int, ...]) -> tuple[jax.Array, jax.Array, SuffixCache]:
     """`steps` (= N) decode steps for G rows in one `lax.scan` (`Sampler` jits it).
 
     Each step: logits of the current hidden state, a token (sampled at `temperature` after top-k /
-    top-p truncation, greedy at 0, or `forced`), its old log-prob, then one `forward_cached` token.
-    cache: G-row cache holding the prompt; h_last: [G,D] hidden state of the last prompt token;
-    keys: [G] PRNG keys (step t folds in t); forced: [G,N] int32 ids to feed instead of sampling, or None.
+    top-p truncation, greedy at 0, or `forced`), its old log-prob, then one `forward_shared` token.
+    prompt: the batch-1 cache holding the prompt (only read); suffix: the G rows' empty suffix cache of
+    >= N slots (the loop carry); h_last: [G,D] hidden state of the last prompt token; keys: [G] PRNG keys
+    (step t folds in t); forced: [G,N] int32 ids to feed instead of sampling, or None.
     Returns (tokens [G,N] int32, PAD_TOKEN after a row's stop token; log-probs [G,N] float32, 0 there;
-    the cache after the N tokens). Returning the cache lets a caller that donates `cache` have XLA
-    run the loop on the donated buffers (aliased to this output) instead of a whole copy of the cache.
+    the suffix after the N tokens). Returning the suffix lets a caller that donates it have XLA run the
+    loop on the donated buffers (aliased to this output).
     """
     stop = jnp.asarray(stop_ids if stop_ids else (-2,), jnp.int32)
 
     def step(carry, t):
-        cache, h_last, done = carry
+        suffix, h_last, done = carry
         logits = model.logits(h_last)  # [G,V] f32
         scaled = logits / temperature if temperature > 0 else logits
         logp_all = jax.nn.log_softmax(scaled, axis=-1)
@@ -158,12 +161,12 @@ def decode_steps(model: GlmMoeDsa, cache: KVCache, h_last: jax.Array, keys: jax.
         out_token = jnp.where(done, PAD_TOKEN, token)
         out_logp = jnp.where(done, 0.0, logp)
         done = done | jnp.isin(token, stop)
-        h, cache = model.forward_cached(jnp.where(out_token < 0, 0, out_token)[:, None], cache)
-        return (cache, h[:, 0], done), (out_token, out_logp)
+        h, suffix = model.forward_shared(jnp.where(out_token < 0, 0, out_token)[:, None], prompt, suffix)
+        return (suffix, h[:, 0], done), (out_token, out_logp)
 
     done0 = jnp.zeros(h_last.shape[:1], bool)
-    (cache, _, _), (tokens, logps) = jax.lax.scan(step, (cache, h_last, done0), jnp.arange(steps))
-    return tokens.T, logps.T, cache
+    (suffix, _, _), (tokens, logps) = jax.lax.scan(step, (suffix, h_last, done0), jnp.arange(steps))
+    return tokens.T, logps.T, suffix
 
 
 class Sampler:
@@ -192,17 +195,18 @@ class Sampler:
         def whole(state, ids, capacity):
             return prefill_whole(nnx.merge(self.graphdef, state), ids, capacity)
 
-        def decode(state, cache, h_last, keys, forced, **kw):
-            return decode_steps(nnx.merge(self.graphdef, state), cache, h_last, keys, forced, **kw)
+        def decode(state, prompt, suffix, h_last, keys, forced, **kw):
+            return decode_steps(nnx.merge(self.graphdef, state), prompt, suffix, h_last, keys, forced, **kw)
 
         self._prefill_chunk = jax.jit(chunk, compiler_options=CACHE_COMPILER_OPTIONS)
         self._prefill_whole = jax.jit(whole, static_argnames=("capacity",))
         # Built inside jit so that, under a mesh, each device allocates only its share of the slots.
         self._empty_cache = jax.jit(lambda capacity: model.init_cache(1, capacity), static_argnums=0)
-        # The G-row cache is donated: `broadcast_batch` makes it afresh per request (the prefix cache keeps
-        # the batch-1 one), and the decode loop then updates it in place rather than in a copy.
+        self._empty_suffix = jax.jit(lambda rows, capacity: model.init_suffix(rows, capacity), static_argnums=(0, 1))
+        # The suffix is donated (made afresh per request) and the decode loop updates it in place; the
+        # batch-1 prompt cache is only read, and not donated: the prefix cache keeps it.
         self._decode = jax.jit(decode, static_argnames=("steps", "temperature", "top_k", "top_p", "stop_ids"),
-                               donate_argnums=(1,), compiler_options=CACHE_COMPILER_OPTIONS)
+                               donate_argnums=(2,), compiler_options=CACHE_COMPILER_OPTIONS)
 
     # -- public ----------------------------------------------------------------------------------
     def policy_updated(self) -> None:
@@ -245,13 +249,14 @@ class Sampler:
         return SampleResult(tokens, logps, lengths, reasons, len(prompt), hit, t1 - t0, t2 - t1)
 
     def decode(self, cache: KVCache, h_last: jax.Array, params: SamplingParams,
-               forced_tokens: np.ndarray | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
+               forced_tokens: np.ndarray | None = None) -> tuple[jax.Array, jax.Array, SuffixCache]:
         """`params.num_samples` continuations of a prefilled prompt (batch-1 `cache`, `h_last: [1,D]`; both
-        kept): (tokens [G,N], log-probs [G,N], the G-row cache after the N tokens). `sample` checks the inputs."""
+        kept): (tokens [G,N], log-probs [G,N], the G rows' suffix cache of the N tokens). `sample` checks
+        the inputs."""
         g = params.num_samples
         keys = jax.random.split(jax.random.key(params.seed), g)
         return self._decode(
-            self.state, broadcast_batch(cache, g), jnp.repeat(h_last, g, axis=0), keys,
+            self.state, cache, self._empty_suffix(g, params.max_new_tokens), jnp.repeat(h_last, g, axis=0), keys,
             None if forced_tokens is None else jnp.asarray(forced_tokens, jnp.int32),
             steps=params.max_new_tokens, temperature=float(params.temperature), top_k=params.top_k,
             top_p=float(params.top_p), stop_ids=tuple(params.stop_token_ids))

@@ -18,7 +18,6 @@ from lora_utils import fast_rngs, with_random_b
 
 import glm52_jax
 from glm52_jax import config
-from glm52_jax.model.kv_cache import broadcast_batch
 from glm52_jax.model.lora import LoRA, LoRAConfig
 from glm52_jax.model.transformer import GlmMoeDsa
 from glm52_jax.parallel.mesh import parse_mesh
@@ -96,7 +95,7 @@ def prompt():
 @pytest.fixture(scope="module")
 def reference_sampling(model, prompt):
     """Single device, chunked prefill: the prompt's cache and h_last, its greedy continuation, and the
-    G-row cache after it."""
+    G rows' suffix cache after it."""
     sampler = Sampler(model, **QUIET)
     cache, h_last, _ = sampler.prefill(prompt, CAPACITY)
     return cache, h_last, sampler.sample(prompt, GREEDY), sampler.decode(cache, h_last, GREEDY)[2]
@@ -190,19 +189,19 @@ def test_greedy_decode_matches_and_cache_is_sharded(model, prompt, reference_sam
         with jax.set_mesh(mesh):
             cache, h_last, _ = sampler.prefill(prompt, CAPACITY)
             out = sampler.sample(prompt, GREEDY)
-            decoded = sampler.decode(cache, h_last, GREEDY)[2]  # the program `sample` ran, its final cache
+            decoded = sampler.decode(cache, h_last, GREEDY)[2]  # the program `sample` ran, its final suffix
             # The decode step runs the explicit path: local indexer scores, merged candidates,
             # attention where the keys live, log-sum-exp combine (a pmax + psums).
-            step = jax.make_jaxpr(lambda st, c, ids: nnx.merge(sampler.graphdef, st).forward_cached(ids, c))(
-                sampler.state, broadcast_batch(cache, G), jnp.zeros((G, 1), jnp.int32))
+            step = jax.make_jaxpr(lambda st, c, ids: nnx.merge(sampler.graphdef, st).forward_shared(
+                ids, c, sampler.model.init_suffix(G, R)))(sampler.state, cache, jnp.zeros((G, 1), jnp.int32))
             assert "pmax" in str(step) and "all_gather" in str(step)
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     np.testing.assert_allclose(out.logprobs, ref.logprobs, rtol=1e-5, atol=1e-5)
     _assert_cache_slots_sharded(cache, mesh, spec)
-    _assert_cache_slots_sharded(decoded, mesh, spec)
-    # The chunks (16 tokens) straddle folded=8's 8-slot shards, and decode writes one slot per step, each
-    # device its own part, in place. The entries come from sharded compute (equal up to rounding; the writes
-    # alone are bit-exact: tests/model/test_kv_cache.py).
+    assert int(cache.length) == P  # decode only reads the prompt cache
+    # The chunks (16 tokens) straddle folded=8's 8-slot shards, each device writing its own part in place;
+    # decode writes each step's token into the (replicated) suffix. The entries come from sharded compute
+    # (equal up to rounding; the writes alone are bit-exact: tests/model/test_kv_cache.py).
     for got_cache, want_cache in ((cache, reference_sampling[0]), (decoded, reference_sampling[3])):
         assert int(got_cache.length) == int(want_cache.length)
         for got, want in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):

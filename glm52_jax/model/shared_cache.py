@@ -1,0 +1,265 @@
+"""One prompt cache shared by every sample, plus a small per-sample suffix cache.
+
+G samples of one prompt decode against ONE batch-1 prompt cache (`KVCache`, read only, never copied
+per sample: at 2M tokens it is ~6.6 GB per device on 32 devices) and a `SuffixCache` of the tokens
+each sample generated ([G, R_cap] slots per layer, R_cap = new tokens: small). The response_only
+update and the new log-probs run the G responses the same way, with an empty suffix.
+
+Key slots keep the layout a G-row copy of the prompt cache would have: prompt tokens at slots
+0 .. L-1 (L = the prompt cache's `length`), a sample's j-th suffix token at slot L + j. So top-k
+indices, causality and ties (lowest slot first: prompt slots before suffix slots) are those of the
+broadcast layout, and the results equal it up to float rounding.
+
+Per layer and chunk (S tokens per row, all rows at the same positions L + n .. L + n + S - 1, n the
+suffix's `length`):
+  indexer    the G*S queries score the shared prompt slots as the queries of ONE batch row (they sit
+             at the same positions, so causality is the same for all), then each row's own suffix
+             slots with the chunk placed after them; the two candidate lists merge into the exact
+             top-k (`indexer.merge_topk`: ties keep the prompt's entries).
+  attention  the selected rows come from two tables, the prompt stack read in place (batch index 0
+             for every row) and the row's suffix + chunk (`sparse_attention.CachedRows`).
+  write      after the layer scan, the chunk's entries go into the suffix at slot n
+             (`dynamic_update_slice`; in place when the suffix is a loop carry or donated). The
+             prompt cache is never written.
+
+Under a mesh that shards the prompt's slots (context parallel), each device scores only the prompt
+slots it holds, the candidates are all-gathered and merged with the suffix candidates, and each
+device attends to the selected rows it owns; the partial softmaxes combine by log-sum-exp
+(`context_parallel.lse_attention`), as `context_parallel.cp_cached_attention` does for a chunk
+against its own cache. The suffix is replicated over the slot axes (`SUFFIX_AXES`): it is small
+(G x R_cap rows per layer), every device needs every row of it for the merge, and the chunk's
+entries are computed replicated there anyway, so the write needs no communication. A selected
+suffix row is owned by the device its slot would sit on in the prompt's slot layout (the last
+device past the prompt's capacity), so each row counts once in the combine.
+
+Axis letters: G rows (samples), S chunk tokens per row, Cap prompt slots, Rc suffix slots,
+Rs = Rc + S, C kv_lora, R rope, I indexer dim, H heads, K top-k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from glm52_jax.config import ModelConfig
+from glm52_jax.model import context_parallel as context
+from glm52_jax.model.indexer import cached_topk, merge_topk, streaming_topk
+from glm52_jax.model.kv_cache import KVCache, LayerCacheView, SegmentCache, empty_stacks
+from glm52_jax.model.sparse_attention import cached_rows, sparse_mla_rows
+from glm52_jax.parallel.rules import constrain
+
+# The suffix's slot axis stays unsharded (replicated over the context axes; see the module docstring).
+SUFFIX_AXES = ("layers", None, "batch", None, None)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SuffixCache:
+    """Per-sample cache of the tokens after a shared prompt, grouped like `KVCache`:
+    c_kv[s] [repeats, U, G, Rc, C], k_rope[s] [repeats, U, G, Rc, R], index_k[s] [repeats, F, G, Rc, I]
+    (float32); `length`: tokens written ([] int32, the same for every row). Rc = 0 is an empty suffix
+    (one chunk run after the prompt and discarded: the response_only update, the new log-probs)."""
+
+    c_kv: tuple[jax.Array, ...]
+    k_rope: tuple[jax.Array, ...]
+    index_k: tuple[jax.Array, ...]
+    length: jax.Array
+
+    @property
+    def capacity(self) -> int:
+        return self.c_kv[0].shape[3]
+
+    @property
+    def rows(self) -> int:
+        return self.c_kv[0].shape[2]
+
+    def nbytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((self.c_kv, self.k_rope, self.index_k)))
+
+
+def init_suffix(cfg: ModelConfig, segments, rows: int, capacity: int, dtype=jnp.bfloat16) -> SuffixCache:
+    """An empty suffix for `rows` samples of up to `capacity` tokens each (`capacity` may be 0)."""
+    if rows <= 0 or capacity < 0:
+        raise ValueError(f"suffix rows must be positive and capacity >= 0, got rows={rows} capacity={capacity}")
+    return SuffixCache(*empty_stacks(cfg, segments, rows, capacity, dtype, SUFFIX_AXES), jnp.zeros((), jnp.int32))
+
+
+def write_suffix(suffix: SuffixCache, new_c, new_r, new_i, seq: int) -> SuffixCache:
+    """Writes a chunk's entries (per segment [repeats, U|F, G, S, *]) at suffix slot `length`; length += S.
+    An empty suffix (capacity 0) keeps nothing and is returned as it is."""
+    if suffix.capacity == 0:
+        return suffix
+
+    def put(stack, chunk):
+        updated = jax.lax.dynamic_update_slice(stack, chunk.astype(stack.dtype), (0, 0, 0, suffix.length, 0))
+        return constrain(updated, SUFFIX_AXES)
+
+    return SuffixCache(tuple(map(put, suffix.c_kv, new_c)), tuple(map(put, suffix.k_rope, new_r)),
+                       tuple(map(put, suffix.index_k, new_i)), suffix.length + seq)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SharedCache:
+    """The batch-1 `prompt` cache (read only) and the rows' `suffix`: what `GlmMoeDsa.forward_shared`
+    runs a chunk against. Answers the layer scan's questions as `KVCache` does."""
+
+    prompt: KVCache
+    suffix: SuffixCache
+
+    @property
+    def key_slots(self) -> int:
+        return self.prompt.capacity + self.suffix.capacity
+
+    @property
+    def next_position(self) -> jax.Array:
+        return self.prompt.length + self.suffix.length
+
+    def segment(self, s: int) -> SharedSegment:
+        sfx = self.suffix
+        return SharedSegment(self.prompt.segment(s), sfx.c_kv[s], sfx.k_rope[s], sfx.index_k[s], sfx.length)
+
+    def write(self, new_c, new_r, new_i, seq: int) -> SharedCache:
+        return SharedCache(self.prompt, write_suffix(self.suffix, new_c, new_r, new_i, seq))
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedSegment:
+    """One segment of a `SharedCache`: the prompt's stacks and the suffix's ([repeats, U|F, G, Rc, *])."""
+
+    prompt: SegmentCache
+    c_kv: jax.Array
+    k_rope: jax.Array
+    index_k: jax.Array
+    length: jax.Array  # suffix tokens written
+
+    def layer(self, rep, slot: int, full_slot: int | None) -> SharedLayerView:
+        full = full_slot is not None
+        return SharedLayerView(self.prompt.layer(rep, slot, full_slot), self.c_kv, self.k_rope,
+                               self.index_k if full else None, self.length)
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedLayerView:
+    """One layer's part of a `SharedCache`: the prompt's `LayerCacheView` and the suffix stacks, read at
+    the prompt view's (repeat, slot) / (repeat, full slot)."""
+
+    prompt: LayerCacheView
+    suffix_c: jax.Array
+    suffix_r: jax.Array
+    suffix_i: jax.Array | None
+    suffix_length: jax.Array
+
+    @property
+    def key_slots(self) -> int:
+        return self.prompt.capacity + self.suffix_c.shape[-2]
+
+    def rows_with_chunk(self, stack: jax.Array, index: tuple, chunk: jax.Array) -> jax.Array:
+        """This layer's suffix rows `[G, Rc, X]` with the chunk `[G, S, X]` placed after the written ones:
+        `[G, Rs, X]` in the stack's dtype, row j = key slot L + j (slots past the chunk are never visible)."""
+        layer = stack[tuple(jnp.asarray(i, jnp.int32) for i in index)]
+        layer = jnp.pad(layer, ((0, 0), (0, chunk.shape[1]), (0, 0)))
+        return jax.lax.dynamic_update_slice(layer, chunk.astype(layer.dtype), (0, self.suffix_length, 0))
+
+
+def attention(q_lat, q_rope, c_new, r_new, positions, view: SharedLayerView, index, prev_topk, *, index_topk: int,
+              index_scale: float, softmax_scale: float, indexer_blocks: dict, attention_query_block: int,
+              kernels: str, context_parallel: str):
+    """A chunk's sparse MLA for G rows against the shared prompt and each row's suffix.
+
+    q_lat: [G,S,H,C], q_rope: [G,S,H,R], c_new: [G,S,C], r_new: [G,S,R], positions: [S] (every row's);
+    index: (iq [G,S,Hi,I], iw [G,S,Hi], ik_new [G,S,I]) on a layer with its own indexer, else None and
+    `prev_topk: [G,S,K]`. Returns (out_lat [G,S,H,C], top-k [G,S,K] key slots).
+    """
+    prompt = view.prompt
+    rows, seq = q_lat.shape[:2]
+    kk = min(index_topk, view.key_slots)
+    suffix_c = view.rows_with_chunk(view.suffix_c, prompt.slot, c_new)
+    suffix_r = view.rows_with_chunk(view.suffix_r, prompt.slot, r_new)
+    query_index = suffix_candidates = None
+    if index is not None:
+        iq, iw, ik_new = index
+        query_index = (iq, iw)
+        keys = view.rows_with_chunk(view.suffix_i, prompt.index_slot, ik_new)  # [G,Rs,I] float32
+        key_pos = prompt.length + jnp.arange(keys.shape[1], dtype=jnp.int32)
+        vals, idx = streaming_topk(iq, iw, keys, positions, key_pos, index_topk, scale=index_scale,
+                                   return_scores=True, **indexer_blocks)
+        suffix_candidates = (vals, jnp.where(idx >= 0, idx + prompt.length, idx))
+    scoring = dict(topk=index_topk, kk=kk, scale=index_scale, blocks=indexer_blocks)
+    sharded = context.cached_layout(rows * seq, prompt.capacity, context_parallel)
+    if sharded is not None:
+        return _context_parallel(sharded, q_lat, q_rope, suffix_c, suffix_r, positions, prompt, query_index,
+                                 suffix_candidates, prev_topk, scoring, softmax_scale)
+    topk = prev_topk
+    if index is not None:
+        past = prompt_candidates(iq, iw, prompt.index_k, prompt.index_slot, positions, prompt.length, scoring)
+        topk = merge_topk(past, suffix_candidates, kk)
+    source = cached_rows(prompt.c_kv, prompt.k_rope, prompt.slot, prompt.length, suffix_c, suffix_r)
+    out = sparse_mla_rows(q_lat, q_rope, source, topk, scale=softmax_scale, query_block=attention_query_block,
+                          kernels=kernels)
+    return out, topk
+
+
+def prompt_candidates(iq, iw, keys, index_slot, positions, length, scoring: dict):
+    """Top-k candidates of the G*S queries (`iq: [G,S,Hi,I]`, `iw: [G,S,Hi]`) over prompt slots [0, length)
+    of the batch-1 key stack `keys: [..., 1, Cap, I]`, scored as the queries of one batch row (all rows
+    sit at the same `positions: [S]`). Returns (scores, slots) [G,S,k], INVALID / -inf where empty."""
+    rows, seq = iq.shape[:2]
+    q = iq.reshape(1, rows * seq, *iq.shape[2:])
+    w = iw.reshape(1, rows * seq, iw.shape[-1])
+    vals, idx = cached_topk(q, w, keys, index_slot, jnp.tile(positions, rows), length, scoring["topk"],
+                            scale=scoring["scale"], **scoring["blocks"])
+    return vals.reshape(rows, seq, -1), idx.reshape(rows, seq, -1)
+
+
+def _context_parallel(sharded, q_lat, q_rope, suffix_c, suffix_r, positions, prompt: LayerCacheView, query_index,
+                      suffix_candidates, prev_topk, scoring: dict, softmax_scale: float):
+    """`attention` with the prompt's slots sharded on `sharded = (axes, ways)`: each device scores and
+    attends to its own prompt slots; candidates all-gathered, partial softmaxes combined by LSE."""
+    axes, ways = sharded
+    replicated = P()
+    slots = P(None, None, None, axes, None)
+
+    def per_device(q_lat, q_rope, suffix_c, suffix_r, positions, cache_c, cache_r, cache_i, slot, index_slot, length,
+                   query_index, suffix_candidates, prev_topk):
+        local_cap = cache_c.shape[-2]
+        me = jax.lax.axis_index(axes)
+        base = me * local_cap
+        if query_index is not None:
+            local_len = jnp.clip(length - base, 0, local_cap)
+            vals, idx = prompt_candidates(*query_index, cache_i, index_slot, positions, local_len, scoring)
+            idx = jnp.where(idx >= 0, idx + base, idx)
+            # [N,G,S,k] -> [G,S,N*k]: device order is slot order, so ties keep the lowest slot.
+            cand = tuple(jnp.moveaxis(jax.lax.all_gather(a, axes), 0, 2).reshape(*a.shape[:2], -1) for a in (vals, idx))
+            topk = merge_topk(cand, suffix_candidates, scoring["kk"])
+        else:
+            topk = prev_topk
+        valid = topk >= 0
+        keep = valid & (jnp.minimum(topk // local_cap, ways - 1) == me)
+        in_prompt = topk < length
+        local = jnp.clip(topk - base, 0, local_cap - 1)
+        own = jnp.clip(topk - length, 0, suffix_c.shape[1] - 1)
+        lead = tuple(jnp.asarray(i, jnp.int32) for i in slot)
+        kv, kr = (jnp.where(in_prompt[..., None], cached[(*lead, 0, local)],
+                            jax.vmap(lambda r, i: r[i])(fresh, own).astype(cached.dtype)).astype(q_lat.dtype)
+                  for cached, fresh in ((cache_c, suffix_c), (cache_r, suffix_r)))
+        return context.lse_attention(q_lat, q_rope, kv, kr, keep, softmax_scale, axes), topk
+
+    has_index = query_index is not None
+    fn = jax.shard_map(
+        per_device,
+        in_specs=(replicated,) * 5 + (slots, slots, slots if has_index else None, replicated,
+                                      replicated if has_index else None, replicated,
+                                      (replicated,) * 2 if has_index else None,
+                                      (replicated,) * 2 if has_index else None,
+                                      None if prev_topk is None else replicated),
+        out_specs=(replicated, replicated), axis_names=frozenset(axes), check_vma=False)
+    # Replicated inputs get their cotangents summed over `axes` in the backward; float32 for the reasons
+    # `cp_cached_attention` gives (the suffix rows are cache-dtype values, exact in float32).
+    f32 = [a.astype(jnp.float32) for a in (q_lat, q_rope, suffix_c, suffix_r)]
+    out, topk = fn(*f32, positions, prompt.c_kv, prompt.k_rope, prompt.index_k if has_index else None, prompt.slot,
+                   prompt.index_slot if has_index else None, prompt.length, query_index, suffix_candidates, prev_topk)
+    return out.astype(q_lat.dtype), topk
