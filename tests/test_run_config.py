@@ -32,14 +32,16 @@ def test_configs_override_only_what_they_change():
     base, m2, parity = (flatten(config_spec(n).to_dict()) for n in ("tiny", "2m", "32k_parity"))
     changed_2m = sorted(k for k in base if base[k] != m2[k])
     assert changed_2m == ["data.dedupe", "data.prompt_tokens", "mesh", "model.checkpoint", "model.dtype",
-                          "model.preset", "model.rope_scaling_json", "name", "plan.target", "sampling.chunk_size",
+                          "model.moe_token_block", "model.preset", "model.rope_scaling_json", "name", "plan.target",
+                          "sampling.chunk_size",
                           "sampling.max_new_tokens", "sampling.prefill_mode", "sampling.prefix_cache_mib_per_device",
                           "sampling.samples_per_request", "search.probe_tokens", "train.learning_rate"], changed_2m
     assert (m2["sampling.samples_per_request"], m2["sampling.num_samples"]) == (8, 2)  # the seed's 8 per request, G=2
     # The seed's runs plan for the H20 with XLA's GPU compiler (both share glm52_release); tiny runs plan on CPU.
     assert (base["plan.target"], m2["plan.target"], parity["plan.target"]) == ("cpu", "h20", "h20")
     assert (base["sampling.samples_per_request"], base["model.init_adapter"]) == (0, "")
-    assert sorted(k for k in m2 if m2[k] != parity[k]) == ["data.prompt_tokens", "model.rope_scaling_json", "name",
+    assert sorted(k for k in m2 if m2[k] != parity[k]) == ["data.prompt_tokens", "model.moe_token_block",
+                                                          "model.rope_scaling_json", "name",
                                                           "parity.acceptance", "sampling.chunk_size",
                                                           "sampling.prefill_mode",
                                                           "sampling.prefix_cache_mib_per_device",

@@ -27,28 +27,27 @@ def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: Axes, dtype, *, i
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
-def gathered_value(var: nnx.Variable, tokens: int | None = None) -> jax.Array:
-    """A base weight's value at its logical sharding: its FSDP shards all-gathered (`rules.gather_weight`;
-    not for a call of fewer than `rules.FSDP_GATHER_MIN_TOKENS` `tokens`). Inside a layer scan `var` is
-    one layer's slice of a stack whose axes still name 'layers' first."""
+def gathered_value(var: nnx.Variable) -> jax.Array:
+    """A base weight's value at its logical sharding: its FSDP shards all-gathered (`rules.gather_weight`).
+    Inside a layer scan `var` is one layer's slice of a stack whose axes still name 'layers' first."""
     value = var.get_value()
     axes = tuple(var.get_metadata().get("out_sharding") or (None,) * value.ndim)
     if len(axes) == value.ndim + 1 and axes[0] == STACK_AXIS:
         axes = axes[1:]
-    return gather_weight(value, axes, tokens)
+    return gather_weight(value, axes)
 
 
-def gather_params(state: nnx.State, tokens: int | None = None) -> nnx.State:
+def gather_params(state: nnx.State) -> nnx.State:
     """`state` with every base weight (`nnx.Param`) gathered (`gathered_value`); LoRA and the rest as they are.
     The layer scan's body applies it to one layer's state: the per-layer, just-in-time FSDP all-gather."""
-    return nnx.from_flat_state([(key, var.replace(gathered_value(var, tokens)) if isinstance(var, nnx.Param)
-                                 else var) for key, var in nnx.to_flat_state(state)])
+    return nnx.from_flat_state([(key, var.replace(gathered_value(var)) if isinstance(var, nnx.Param) else var)
+                                for key, var in nnx.to_flat_state(state)])
 
 
-def gathered(module: nnx.Module, tokens: int | None = None) -> nnx.Module:
+def gathered(module: nnx.Module) -> nnx.Module:
     """`module` (used inside a traced function) with its base weights gathered (`gather_params`)."""
     graphdef, state = nnx.split(module)
-    return nnx.merge(graphdef, gather_params(state, tokens))
+    return nnx.merge(graphdef, gather_params(state))
 
 
 class RMSNorm(nnx.Module):

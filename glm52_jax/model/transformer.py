@@ -12,7 +12,6 @@ Axis letters: B batch, S sequence, D model, V vocab, K indexer top-k.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 import jax
@@ -265,8 +264,7 @@ class GlmMoeDsa(nnx.Module):
         table = rope_lib.rotary_table(cfg.rope, cfg.qk_rope_head_dim)
         cos, sin = rope_lib.rope_cos_sin(positions, table)
         cos, sin = cos[None], sin[None]  # [1,S,R/2]
-        tokens = batch * seq  # few (decode, the response-only update): the sharded weights are used in place
-        h = jnp.take(gathered_value(self.embed_tokens, tokens), input_ids, axis=0)
+        h = jnp.take(gathered_value(self.embed_tokens), input_ids, axis=0)
         h = constrain(h, ("batch", "seq", "embed"))
         num_keys = seq if cache is None else cache.key_slots
         topk = jnp.zeros((batch, seq, min(cfg.index_topk, num_keys)), jnp.int32)
@@ -281,9 +279,8 @@ class GlmMoeDsa(nnx.Module):
             def body(carry, xs, graphdef=graphdef, seg_cache=seg_cache):
                 h, topk = carry
                 unit_state, rep = xs
-                # FSDP: this layer's base weights all-gathered here, inside the loop, one layer at a time
-                # (for many tokens; a few tokens' activations travel to the shards instead).
-                unit = nnx.merge(graphdef, gather_params(unit_state, tokens))
+                # FSDP: this layer's base weights all-gathered here, inside the loop, one layer at a time.
+                unit = nnx.merge(graphdef, gather_params(unit_state))
                 unit_cache = None if seg_cache is None else (seg_cache, rep)
                 h, topk, made, entries = unit(h, cos, sin, positions, topk, unit_cache, emit_entries)
                 return (h, topk), (made, entries)
@@ -323,15 +320,14 @@ class GlmMoeDsa(nnx.Module):
         """An empty per-sample suffix for `forward_shared` (`capacity` 0: run one chunk, keep nothing)."""
         return init_suffix(self.cfg, self.segments_plan, rows, capacity, dtype or self.opts.param_dtype)
 
-    def unembedding(self, tokens: int | None = None) -> jax.Array:
-        """The logits projection's weight (lm_head [D,V], or the tied embedding [V,D]), gathered whole unless
-        it serves fewer than `rules.FSDP_GATHER_MIN_TOKENS` `tokens` (then the logits come out vocab-sharded)."""
-        return gathered_value(self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head, tokens)
+    def unembedding(self) -> jax.Array:
+        """The logits projection's weight (lm_head [D,V], or the tied embedding [V,D]), gathered whole."""
+        return gathered_value(self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head)
 
     def logits(self, h: jax.Array, unembedding: jax.Array | None = None) -> jax.Array:
         """`h: [..., D] -> [..., V]` float32; `unembedding`: `self.unembedding()` when the caller gathered it
         once for several calls (e.g. outside a loop over chunks)."""
-        w = self.unembedding(math.prod(h.shape[:-1])) if unembedding is None else unembedding
+        w = self.unembedding() if unembedding is None else unembedding
         spec = "...d,vd->...v" if self.cfg.tie_word_embeddings else "...d,dv->...v"
         h = h.astype(w.dtype)
         out = jnp.einsum(spec, h, w, preferred_element_type=jnp.float32)
@@ -359,7 +355,7 @@ def target_logprobs(model: GlmMoeDsa, h: jax.Array, targets: jax.Array, chunk: i
     h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
     targets = jnp.pad(targets, ((0, 0), (0, pad)))
     nc = h.shape[1] // c
-    unembedding = model.unembedding(batch * n)  # gathered once (for many tokens), not per chunk
+    unembedding = model.unembedding()  # gathered once, not per chunk
 
     def one(args):
         hc, tc = args  # [B,c,D], [B,c]

@@ -106,19 +106,15 @@ def weight_spec(axes: Sequence[str | None], shape: Sequence[int], mesh, rules: R
     return P(*parts)
 
 
-# Below this many tokens in one call a layer computes on its FSDP-sharded weights (the activations move:
-# partial products all-reduced, a few hundred KB per token and layer at GLM-5.2 sizes) instead of gathering
-# them (~0.5 GB per layer): a decode step's few rows or the response-only update's 16 tokens per sample.
-FSDP_GATHER_MIN_TOKENS = 4096
-
-
-def gather_weight(x: jax.Array, axes: Sequence[str | None], tokens: int | None = None) -> jax.Array:
+def gather_weight(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     """A base weight `x` of logical `axes` constrained to its logical spec without the FSDP axes: the
-    all-gather of its FSDP shards, where it is about to be used. A no-op when FSDP leaves `x` alone,
-    outside a mesh context, and when the call handles fewer than `FSDP_GATHER_MIN_TOKENS` `tokens`
-    (None: gather): the weight then stays sharded and GSPMD moves the few tokens' activations."""
+    all-gather of its FSDP shards, where it is about to be used. A no-op when FSDP leaves `x` alone
+    and outside a mesh context.
+
+    Always gathered, even for a decode step's few tokens: left sharded, GSPMD gathered the weights anyway
+    (measured on the tiny folded=8 decode plan), in places of its own choosing."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or (tokens is not None and tokens < FSDP_GATHER_MIN_TOKENS):
+    if mesh.empty:
         return x
     if len(axes) != x.ndim:
         raise ValueError(f"gather_weight: {len(axes)} axis names {tuple(axes)} for an array of rank {x.ndim}")

@@ -78,8 +78,9 @@ def test_folded_memory_matches_the_abstract_state(folded):
     # slot), i.e. 4 x 8 slots against the prompt's 256, never S copies of the prompt cache.
     assert cache["suffix_bytes_per_device"] == cache["suffix_bytes"] == cache["batch1_bytes"] * 4 * 8 // 256 > 0
     assert cache["decode_bytes_per_device"] == cache["batch1_bytes_per_device"] + cache["suffix_bytes_per_device"]
-    # Experts shard 8 ways, the rest is replicated: per device is between 1/8 and all of it.
-    assert model["param_bytes"] / 8 < model["param_bytes_per_device"] < model["param_bytes"]
+    # Experts shard 8 ways over the expert axis, every other weight 8 ways by FSDP (each of the tiny model's
+    # weights has a dimension 8 divides): exactly 1/8 per device.
+    assert model["param_bytes"] == 8 * model["param_bytes_per_device"]
     weights = model["param_bytes_per_device"] + model["lora_bytes_per_device"]
     ids = 32 // 8 * 4  # [1, 32] int32 ids, sequence-sharded
     for name, p in folded["programs"].items():
@@ -143,9 +144,10 @@ def test_folded_collectives_and_flops(folded):
         assert p["seconds"]["compile"] > 0
     gathers = folded["programs"]["prefill"]["collectives"]["all-gather"]
     assert gathers["ops"] > 0 and gathers["bytes"] > 0
-    # The sampler's decode scan has 8 steps: its executed collectives are at least 8x one body's.
-    decode = folded["programs"]["decode"]["collectives"]
-    assert sum(c["bytes_executed"] for c in decode.values()) >= 8 * sum(c["bytes"] for c in decode.values()) * 0.9
+    # The sampler's decode scan has 8 steps: the MoE's token exchange (all-to-all) runs in every step. (The FSDP
+    # weight gathers of unstacked layers are loop invariants XLA may hoist out of the scan: counted once.)
+    exchange = folded["programs"]["decode"]["collectives"]["all-to-all"]
+    assert exchange["bytes_executed"] >= 8 * exchange["bytes"] > 0
     assert folded["programs"]["prefill"]["calls_per_transaction"] == 3  # 96 tokens in chunks of 32
     assert folded["fits"] and folded["largest_program"] in folded["programs"]
 
