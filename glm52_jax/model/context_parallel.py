@@ -170,18 +170,19 @@ def cp_sparse_attention(lay: Layout, q_lat, q_rope, c_kv, k_rope, positions, ind
     return fn(q_lat, q_rope, c_kv, k_rope, positions, index, prev_topk)
 
 
-# -- chunks against a sequence-sharded cache (decode, short chunks) --------------------------------
+# -- chunks against a sequence-sharded cache (decode, prefill chunks) --------------------------------
 
-# Chunks with at most this many queries (batch x chunk) take the explicit path below; every device
-# holds all of their query-side tensors and [B,S,N*K] top-k candidates. Longer prefill chunks stay
-# with GSPMD (their candidates would need blocking over queries).
+# A cached chunk's queries go through the explicit path below this many (batch x chunk) at a time: every
+# device holds all of a block's query-side tensors and [B,S,N*K] top-k candidates. Longer chunks (a prefill
+# chunk of 16K after a prefix-cache hit) run as a loop over query blocks, still scoring each device's own slots.
 MAX_CACHED_QUERIES = 256
 
 
 def cached_layout(num_queries: int, capacity: int, layout: str, mesh=None) -> tuple[tuple[str, ...], int] | None:
-    """(sequence mesh axes, ways) when a cached chunk of `num_queries` (batch x chunk) should run
-    `cp_cached_attention`: a mesh splits the cache's slots evenly and the chunk is short."""
-    if layout == "off" or num_queries > MAX_CACHED_QUERIES:
+    """(sequence mesh axes, ways) when a cached chunk (`num_queries` = batch x chunk) should run
+    `cp_cached_attention`: a mesh splits the cache's slots evenly."""
+    del num_queries  # any length: long chunks loop over query blocks
+    if layout == "off":
         return None
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     if mesh is None or mesh.empty:
@@ -195,6 +196,42 @@ def cached_layout(num_queries: int, capacity: int, layout: str, mesh=None) -> tu
 
 def cp_cached_attention(axes: tuple[str, ...], q_lat, q_rope, c_new, r_new, positions, cache, index, prev_topk, *,
                         index_topk: int, index_scale: float, softmax_scale: float, indexer_blocks: dict):
+    """A chunk's sparse MLA over a cache whose slot axis is sharded on `axes` (see `_cp_cached_block`), for any
+    chunk length: chunks of more than `MAX_CACHED_QUERIES` queries (batch x chunk) run in query blocks (a
+    `lax.map`; the last block padded with copies of the last query), each against the whole chunk's own keys,
+    so no device ever holds the cache's key stack. Same arguments and results as `_cp_cached_block`."""
+    batch, seq = q_lat.shape[:2]
+    if batch * seq <= MAX_CACHED_QUERIES:
+        return _cp_cached_block(axes, q_lat, q_rope, c_new, r_new, positions, positions, cache, index, prev_topk,
+                                index_topk=index_topk, index_scale=index_scale, softmax_scale=softmax_scale,
+                                indexer_blocks=indexer_blocks)
+    block = max(1, MAX_CACHED_QUERIES // batch)
+    blocks = -(-seq // block)
+    pad = blocks * block - seq
+
+    def split(a, axis):  # [.., S, ..] -> [blocks, .., block, ..], padded by repeating the last query
+        a = jnp.concatenate([a, jnp.repeat(jax.lax.slice_in_dim(a, seq - 1, seq, axis=axis), pad, axis)], axis)
+        a = a.reshape(*a.shape[:axis], blocks, block, *a.shape[axis + 1:])
+        return jnp.moveaxis(a, axis, 0)
+
+    iq_iw = None if index is None else (split(index[0], 1), split(index[1], 1))
+    xs = (split(q_lat, 1), split(q_rope, 1), split(positions, 0), iq_iw,
+          None if prev_topk is None else split(prev_topk, 1))
+
+    def one(args):
+        ql, qr, qpos, qi, prev = args
+        blk_index = None if index is None else (*qi, index[2])
+        return _cp_cached_block(axes, ql, qr, c_new, r_new, qpos, positions, cache, blk_index, prev,
+                                index_topk=index_topk, index_scale=index_scale, softmax_scale=softmax_scale,
+                                indexer_blocks=indexer_blocks)
+
+    out, topk = jax.lax.map(one, xs)
+    join = lambda a: jnp.moveaxis(a, 0, 1).reshape(batch, blocks * block, *a.shape[3:])[:, :seq]  # noqa: E731
+    return join(out), join(topk)
+
+
+def _cp_cached_block(axes: tuple[str, ...], q_lat, q_rope, c_new, r_new, q_positions, positions, cache, index,
+                     prev_topk, *, index_topk: int, index_scale: float, softmax_scale: float, indexer_blocks: dict):
     """A chunk's sparse MLA over a cache whose slot axis is sharded on `axes`.
 
     Each device scores only its own cache slots with the indexer; the per-device candidates are
@@ -202,30 +239,31 @@ def cp_cached_attention(axes: tuple[str, ...], q_lat, q_rope, c_new, r_new, posi
     attends to the selected keys it holds (cache rows in its slot range, and chunk rows whose
     slots it will own) and the partial softmax results are combined with a log-sum-exp.
 
-    q_lat: [B,S,H,C], q_rope: [B,S,H,R], c_new: [B,S,C], r_new: [B,S,R], positions: [S];
-    cache: a `LayerCacheView` (stacks [reps, U|F, B, Cap, *]); index: (iq, iw, ik_new) for a layer
-    with its own indexer, else None and `prev_topk: [B,S,K]` (global slots). Returns (out_lat
-    [B,S,H,C], top-k [B,S,K] global slots), replicated over `axes`.
+    q_lat: [B,Q,H,C], q_rope: [B,Q,H,R] (Q queries at `q_positions: [Q]`, the whole chunk or a block of it);
+    c_new: [B,S,C], r_new: [B,S,R] the whole chunk's own rows at `positions: [S]`; cache: a `LayerCacheView`
+    (stacks [reps, U|F, B, Cap, *]); index: (iq [B,Q,..], iw [B,Q,..], ik_new [B,S,..]) for a layer with its
+    own indexer, else None and `prev_topk: [B,Q,K]` (global slots). Returns (out_lat [B,Q,H,C], top-k [B,Q,K]
+    global slots), replicated over `axes`.
     """
     replicated = P()
     slots = P(None, None, None, axes, None)
     capacity = cache.c_kv.shape[-2]
     topk_k = min(index_topk, capacity)
 
-    def per_device(q_lat, q_rope, c_new, r_new, positions, cache_c, cache_r, cache_i, slot, index_slot, length,
-                   index, prev_topk):
+    def per_device(q_lat, q_rope, c_new, r_new, q_positions, positions, cache_c, cache_r, cache_i, slot, index_slot,
+                   length, index, prev_topk):
         local_cap = cache_c.shape[-2]
         base = jax.lax.axis_index(axes) * local_cap
         if index is not None:
             iq, iw, ik_new = index
             local_len = jnp.clip(length - base, 0, local_cap)
-            vals, idx = cached_topk(iq, iw, cache_i, index_slot, positions, local_len, index_topk, scale=index_scale,
-                                    **indexer_blocks)
+            vals, idx = cached_topk(iq, iw, cache_i, index_slot, q_positions, local_len, index_topk,
+                                    scale=index_scale, **indexer_blocks)
             idx = jnp.where(idx >= 0, idx + base, idx)
             # [N,B,S,k] -> [B,S,N*k]: device order is slot order, so ties keep the lowest slot.
             cand = tuple(jnp.moveaxis(jax.lax.all_gather(a, axes), 0, 2).reshape(*a.shape[:2], -1) for a in (vals, idx))
-            own_vals, own_idx = streaming_topk(iq, iw, ik_new, positions, positions, index_topk, scale=index_scale,
-                                               return_scores=True, **indexer_blocks)
+            own_vals, own_idx = streaming_topk(iq, iw, ik_new, q_positions, positions, index_topk,
+                                               scale=index_scale, return_scores=True, **indexer_blocks)
             topk = merge_topk(cand, (own_vals, jnp.where(own_idx >= 0, own_idx + length, own_idx)), topk_k)
         else:
             topk = prev_topk
@@ -238,15 +276,15 @@ def cp_cached_attention(axes: tuple[str, ...], q_lat, q_rope, c_new, r_new, posi
     has_index = cache.index_k is not None
     fn = jax.shard_map(
         per_device,
-        in_specs=(replicated,) * 5 + (slots, slots, slots if has_index else None, replicated,
+        in_specs=(replicated,) * 6 + (slots, slots, slots if has_index else None, replicated,
                                       replicated if has_index else None, replicated, index_specs, topk_spec),
         out_specs=(replicated, replicated), axis_names=frozenset(axes), check_vma=False)
     # The chunk's tensors enter replicated, so their cotangents are summed over `axes` in the
     # backward; in float32 (they are small: <= MAX_CACHED_QUERIES rows), which also keeps XLA:CPU's
     # bf16 all-reduce promotion (which aborts on these reductions) out of the program.
     f32 = [a.astype(jnp.float32) for a in (q_lat, q_rope, c_new, r_new)]
-    out, topk = fn(*f32, positions, cache.c_kv, cache.k_rope, cache.index_k, cache.slot, cache.index_slot,
-                   cache.length, index, prev_topk)
+    out, topk = fn(*f32, q_positions, positions, cache.c_kv, cache.k_rope, cache.index_k, cache.slot,
+                   cache.index_slot, cache.length, index, prev_topk)
     return out.astype(q_lat.dtype), topk
 
 

@@ -18,6 +18,7 @@ from lora_utils import fast_rngs, with_random_b
 
 import glm52_jax
 from glm52_jax import config
+from glm52_jax.model import context_parallel
 from glm52_jax.model.lora import LoRA, LoRAConfig
 from glm52_jax.model.transformer import GlmMoeDsa
 from glm52_jax.parallel.mesh import parse_mesh
@@ -207,6 +208,27 @@ def test_greedy_decode_matches_and_cache_is_sharded(model, prompt, reference_sam
         for got, want in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
             assert got.shape == want.shape and got.dtype == want.dtype
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_long_cached_chunks_run_in_query_blocks(model, prompt, reference_sampling, monkeypatch):
+    """A cached chunk longer than `MAX_CACHED_QUERIES` (a 16K prefill tail at 2M) runs in query blocks, each device
+    scoring its own slots: here blocks of 6 queries (the last padded) for the 16-token chunks, on folded=8; the
+    same cache, h_last and greedy continuation as one device."""
+    monkeypatch.setattr(context_parallel, "MAX_CACHED_QUERIES", 6)
+    ref_cache, ref_h, ref, _ = reference_sampling
+    mesh_spec, mesh = _mesh("folded=8")
+    with axis_rules(mesh_spec.rules()):
+        sampler = Sampler(place_model(model, mesh), **QUIET)
+        with jax.set_mesh(mesh):
+            cache, h_last, _ = sampler.prefill(prompt, CAPACITY)
+            chunk = jax.make_jaxpr(lambda st, c, ids: nnx.merge(sampler.graphdef, st).forward_cached(ids, c))(
+                sampler.state, cache, jnp.zeros((1, 16), jnp.int32))
+            assert "shard_map" in str(chunk) and "pmax" in str(chunk)  # the explicit path, in a loop over blocks
+            out = sampler.sample(prompt, GREEDY)
+    np.testing.assert_allclose(np.asarray(h_last), np.asarray(ref_h), rtol=1e-5, atol=1e-5)
+    for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(ref_cache)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
 
 
 def _replicated_new_arrays(before: set[int], min_bytes: int) -> list[str]:
