@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from glm52_jax.model.indexer import cached_topk, merge_topk, streaming_topk
 from glm52_jax.model.sparse_attention import array_rows, sparse_mla_rows
-from glm52_jax.parallel.rules import logical_to_spec
+from glm52_jax.parallel.rules import constrain, logical_to_spec
 
 LAYOUTS = ("zigzag", "contiguous", "off")
 
@@ -210,6 +210,9 @@ def cp_cached_attention(axes: tuple[str, ...], q_lat, q_rope, c_new, r_new, posi
     pad = blocks * block - seq
 
     def split(a, axis):  # [.., S, ..] -> [blocks, .., block, ..], padded by repeating the last query
+        # Replicated once here: a loop slicing a sequence-sharded array would all-gather all of it per block
+        # (the 2M plan's prefill tail: a 1.07 GB query tensor gathered 64 times per layer).
+        a = constrain(a, (None,) * a.ndim)
         a = jnp.concatenate([a, jnp.repeat(jax.lax.slice_in_dim(a, seq - 1, seq, axis=axis), pad, axis)], axis)
         a = a.reshape(*a.shape[:axis], blocks, block, *a.shape[axis + 1:])
         return jnp.moveaxis(a, axis, 0)
