@@ -33,7 +33,4 @@ def get_config():
     # The seed drew 8 samples per exact-2M request and trained on a group of G = 2 of them.
     c.sampling.samples_per_request = 8
     c.search.probe_tokens = 65_536  # the seed's 64K engine probe before the exact-2M requests
-    # A device routes 256 of its 64K prompt tokens per expert-parallel exchange: the ragged receive buffer is
-    # sized for the worst case (every device's pairs to one device: 32 x 256 x 8 rows), so the block bounds it.
-    c.model.moe_token_block = 256
     return c

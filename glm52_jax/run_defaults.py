@@ -126,4 +126,7 @@ def glm52_release(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.sampling.max_new_tokens = 16
     c.train.learning_rate = 1e-5
     c.plan.target = "h20"  # the seed's GPUs: plan with XLA's GPU compiler (--config.plan.target=cpu without it)
+    # A device routes 256 tokens per expert-parallel exchange: the receive buffer is sized for the worst case
+    # (every device's pairs to one device: 32 x 256 x 8 rows of 6144), so the block bounds it.
+    c.model.moe_token_block = 256
     return c

@@ -40,8 +40,7 @@ def test_configs_override_only_what_they_change():
     # The seed's runs plan for the H20 with XLA's GPU compiler (both share glm52_release); tiny runs plan on CPU.
     assert (base["plan.target"], m2["plan.target"], parity["plan.target"]) == ("cpu", "h20", "h20")
     assert (base["sampling.samples_per_request"], base["model.init_adapter"]) == (0, "")
-    assert sorted(k for k in m2 if m2[k] != parity[k]) == ["data.prompt_tokens", "model.moe_token_block",
-                                                          "model.rope_scaling_json", "name",
+    assert sorted(k for k in m2 if m2[k] != parity[k]) == ["data.prompt_tokens", "model.rope_scaling_json", "name",
                                                           "parity.acceptance", "sampling.chunk_size",
                                                           "sampling.prefill_mode",
                                                           "sampling.prefix_cache_mib_per_device",

@@ -130,7 +130,11 @@ def _call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, block_m, rows_hint
         interpret=kernels.interpret(),
         # The name carries the rows expected to be live: plan mode (plan/hlo.py) counts the kernel's FLOPs
         # from it (a worst-case-sized EP receive buffer is mostly empty tiles).
-        name=f"grouped_matmul{'_t' if transpose_rhs else ''}_rows{min(rows_hint, m)}",
+        # The live rows read and written, each group's kernel block read (once per group: its tiles run
+        # together), the zero-initialised output written once.
+        name=kernels.traffic_name(f"grouped_matmul{'_t' if transpose_rhs else ''}_rows{min(rows_hint, m)}",
+                                  min(rows_hint, m) * (k * lhs.dtype.itemsize + n * jnp.dtype(out_dtype).itemsize)
+                                  + rhs.nbytes + m * n * jnp.dtype(out_dtype).itemsize),
     )(table, lhs, rhs, jnp.zeros((m, n), out_dtype))
 
 

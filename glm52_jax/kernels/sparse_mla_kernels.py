@@ -33,6 +33,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from glm52_jax import kernels
+
 MASKED = -1e30  # the reference's finite mask value: a fully masked query averages its masked slots
 
 
@@ -142,7 +144,10 @@ def forward(codes, q_lat, q_rope, kv_tables, kr_tables, *, scale, block_k, split
                    jax.ShapeDtypeStruct((n, splits, heads), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="sparse_mla_forward",
+        # Reads each query's K selected rows (not the whole tables it is given), writes o, m, l.
+        name=kernels.traffic_name("sparse_mla_forward", codes.nbytes + q_lat.nbytes + q_rope.nbytes
+                                  + n * k * (width + rope) * kv_tables[0].dtype.itemsize
+                                  + n * splits * heads * (width * jnp.dtype(out_dtype).itemsize + 8)),
     )(codes, q_lat, q_rope, *kv_tables, *kr_tables)
 
 
@@ -221,7 +226,10 @@ def backward(codes, q_lat, q_rope, d_out, m, l, delta, kv_tables, kr_tables, *, 
                    jax.ShapeDtypeStruct((head_blocks, n, k, rope), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="sparse_mla_backward",
+        # Per head block: q, do and the K selected rows read; dq partials and per-slot row gradients written.
+        name=kernels.traffic_name("sparse_mla_backward", codes.nbytes + 2 * q_lat.nbytes + q_rope.nbytes
+                                  + 3 * m.nbytes + head_blocks * n * k * (width + rope) * (
+                                      kv_tables[0].dtype.itemsize + 4) + n * splits * heads * (width + rope) * 4),
     )(codes, q_lat, q_rope, d_out, m, l, delta, *kv_tables, *kr_tables)
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from glm52_jax.plan.hlo import (
     COLLECTIVE_OPCODES,
+    KERNEL_BYTES,
     Instr,
     collective_bytes,
     loop_multipliers,
@@ -135,7 +136,10 @@ def _fusion_access(instrs: list[Instr]) -> tuple[dict[int, float], float]:
 
 
 def _kernel_bytes(ins: Instr, shapes: dict[str, str], fusions: dict[str, tuple[dict[int, float], float]]) -> float:
-    """Bytes one execution of a kernel-level instruction reads and writes."""
+    """Bytes one execution of a kernel-level instruction reads and writes (a Pallas kernel's own count when its
+    name carries one)."""
+    if ins.opcode == "custom-call" and (declared := KERNEL_BYTES.search(ins.attrs)):
+        return float(declared.group(1))
     ops = operands(ins)
     sizes = [shape_bytes(o) if "[" in o.split("%")[0] else shape_bytes(shapes.get(_name(o), "")) for o in ops]
     written = shape_bytes(ins.shape)

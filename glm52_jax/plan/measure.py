@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -31,8 +32,12 @@ def _compile(lowered):
     segfaulted on one of them in a test session that had the cache on)."""
     min_secs = jax.config.jax_persistent_cache_min_compile_time_secs
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
+    # $GLM52_PLAN_DUMP=DIR: XLA writes each program's optimised HLO and buffer assignment there (what fills
+    # the temporaries).
+    dump = os.environ.get("GLM52_PLAN_DUMP")
+    options = {"xla_dump_to": dump, "xla_dump_hlo_as_text": True} if dump else None
     try:
-        return lowered.compile()
+        return lowered.compile(compiler_options=options)
     finally:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", min_secs)
 

@@ -123,3 +123,21 @@ def test_cublas_gemm_custom_call_flops():
                  '{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}')
     flops, transcendentals, is_dot = instr_flops(gemm, {"a": "bf16[128,64]{1,0}", "b": "bf16[64,256]{1,0}"})
     assert (flops, transcendentals, is_dot) == (2.0 * 128 * 256 * 64, 0.0, True)
+
+
+KERNELS = """HloModule kernels
+
+ENTRY %main (table: bf16[1000000,576], q: bf16[64,576]) -> f32[64,576] {
+  %table = bf16[1000000,576]{1,0} parameter(0)
+  %q = bf16[64,576]{1,0} parameter(1)
+  %declared = f32[64,576]{1,0} custom-call(%q, %table), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/sparse_mla_forward_bytes5000/pallas_call"}
+  ROOT %plain = f32[64,576]{1,0} custom-call(%q, %table), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/other_kernel/pallas_call"}
+}
+"""
+
+
+def test_a_pallas_kernel_declares_its_bytes():
+    """A kernel reading rows of a whole table in place names the bytes it moves (`kernels.traffic_name`); one
+    that does not is counted by its operands and result (here the whole 1.15 GB table)."""
+    plain = 64 * 576 * 2 + 1_000_000 * 576 * 2 + 64 * 576 * 4
+    assert hlo_traffic.traffic(KERNELS, hosts=[0])["memory_bytes_executed"] == 5000 + plain
