@@ -108,15 +108,16 @@ def init_cache(cfg: ModelConfig, segments, batch: int, capacity: int, dtype=jnp.
 
 
 def empty_stacks(cfg: ModelConfig, segments, batch: int, slots: int, dtype, axes) -> tuple[tuple, tuple, tuple]:
-    """Zero (c_kv, k_rope, index_k) stacks per segment, [repeats, U|F, batch, slots, *] (index keys float32),
-    each constrained to the logical `axes`."""
+    """Zero (c_kv, k_rope, index_k) stacks per segment, [repeats, U|F, batch, slots, *], all in `dtype`, each
+    constrained to the logical `axes`. The index keys are values of the parameter dtype (the indexer rounds
+    them so), so storing them in it (bf16 on the real run, half of float32's bytes) loses nothing."""
     def zeros(shape, dt):
         return tuple(constrain(jnp.zeros(s, dt), axes) for s in shape)
 
     units = [(seg.repeats, len(seg.unit), sum(1 for kind in seg.unit if kind[1] == "full")) for seg in segments]
     return (zeros([(r, n, batch, slots, cfg.kv_lora_rank) for r, n, _ in units], dtype),
             zeros([(r, n, batch, slots, cfg.qk_rope_head_dim) for r, n, _ in units], dtype),
-            zeros([(r, f, batch, slots, cfg.index_head_dim) for r, _, f in units], jnp.float32))
+            zeros([(r, f, batch, slots, cfg.index_head_dim) for r, _, f in units], dtype))
 
 
 def cache_from_entries(new_c, new_r, new_i, seq: int, capacity: int, dtype) -> KVCache:
@@ -129,7 +130,7 @@ def cache_from_entries(new_c, new_r, new_i, seq: int, capacity: int, dtype) -> K
         return constrain(full, CACHE_AXES)
 
     return KVCache(tuple(fill(a, dtype) for a in new_c), tuple(fill(a, dtype) for a in new_r),
-                   tuple(fill(a, jnp.float32) for a in new_i), jnp.asarray(seq, jnp.int32))
+                   tuple(fill(a, dtype) for a in new_i), jnp.asarray(seq, jnp.int32))
 
 
 @dataclasses.dataclass(frozen=True)

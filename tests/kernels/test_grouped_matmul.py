@@ -88,6 +88,8 @@ def test_swiglu_on_the_kernel_equals_ragged_dot_with_lora():
         np.testing.assert_allclose(np.asarray(g), np.asarray(rr), rtol=1e-5, atol=1e-5)
 
 
+# ~11 s of deviceless compile: `slow` (CI budget); the 2M GPU plan compiles the kernel at scale.
+@pytest.mark.slow
 @pytest.mark.skipif(aot.missing() is not None, reason=f"deviceless GPU compiles: {aot.missing()}")
 def test_compiles_for_sm90a_without_the_dense_expansion():
     """Forward + row gradient at an EP receive buffer's size (8,192 rows, 8 local experts, GLM-5.2's 6144 x

@@ -5,6 +5,8 @@ The written values are the inputs of `write_chunk`, so a sharded write must equa
 meshes: tests/parallel/test_sharded_rl.py).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,7 +101,7 @@ def test_one_device_write_is_a_dynamic_update_slice(written):
 
 
 def test_sharded_decode_reads_the_prompt_cache_in_place():
-    """The sampler's decode loop (folded=8, 2048 prompt slots per device, so the prompt cache dominates the
+    """The sampler's decode loop (folded=8, 4096 prompt slots per device, so the prompt cache dominates the
     program's buffers): the G rows share the batch-1 prompt cache, which is only read (no select or copy over
     a shard of it in the compiled loop, not aliased to any output), the donated suffix is aliased to the
     final one, and XLA's temporaries stay far below one prompt-cache shard (a G-row copy of the cache would
@@ -107,8 +109,9 @@ def test_sharded_decode_reads_the_prompt_cache_in_place():
     cfg = config.tiny(num_hidden_layers=2, indexer_types=("full", "shared"))
     opts = glm52_jax.ModelOptions(param_dtype=jnp.bfloat16, indexer_query_block=16, indexer_key_block=16,
                                   attention_query_block=8)
-    rows, slots, steps = 2, 8 * 2048, 2
-    mesh_spec = parse_mesh("folded=8")
+    rows, slots, steps = 2, 8 * 4096, 2
+    # Replicated weights: FSDP's per-layer weight gathers would be the loop's temporaries (not what this checks).
+    mesh_spec = dataclasses.replace(parse_mesh("folded=8"), weight_sharding="replicated")
     mesh = mesh_spec.make()
     with axis_rules(mesh_spec.rules()):
         model = place_model(GlmMoeDsa(cfg, opts, rngs=nnx.Rngs(0)), mesh)

@@ -82,7 +82,10 @@ def _run(model, spec):
     return want, got, prompt, jaxpr
 
 
-@pytest.mark.parametrize("spec", [None, "context=4,expert=2", pytest.param("folded=8", marks=pytest.mark.slow)])
+# CI runs one device (the equivalence) and the sharded decode is in CI through tests/parallel/test_sharded_rl.py;
+# the meshes here are `slow` (CI budget).
+@pytest.mark.parametrize("spec", [None, pytest.param("context=4,expert=2", marks=pytest.mark.slow),
+                                  pytest.param("folded=8", marks=pytest.mark.slow)])
 def test_shared_prompt_decode_equals_the_broadcast_layout(model, spec):
     (want_tokens, want_logps, want_cache), (tokens, logps, suffix), prompt, jaxpr = _run(model, spec)
     tokens, want_tokens = np.asarray(tokens), np.asarray(want_tokens)
