@@ -5,8 +5,9 @@ scores + e_score_correction_bias, limited to the `topk_group` groups whose top-2
 highest; the combine weights are the unbiased scores of the chosen experts, optionally normalised
 (`norm_topk_prob`), times `routed_scaling_factor`.
 
-Experts run dropless: token-expert pairs are sorted by expert and fed to `lax.ragged_dot`, so
-memory is `O(tokens * top_k * D)` whatever the routing. Routed-expert LoRA (per-expert A and B)
+Experts run dropless: token-expert pairs are sorted by expert and fed to `lax.ragged_dot` (on a GPU the
+grouped-matmul Pallas kernel, `kernels.grouped_matmul`), so memory is `O(tokens * top_k * D)` whatever
+the routing. Routed-expert LoRA (per-expert A and B)
 runs on the same sorted rows with the same group sizes. The routed experts run on one device
 (`grouped_mlp.experts_ragged`) or, under a mesh that shards the experts, expert-parallel
 (`expert_parallel.experts_ep`); both apply the same `grouped_mlp.grouped_swiglu`.
@@ -97,16 +98,16 @@ class MoE(nnx.Module):
         batch, seq, d = x.shape
         flat = x.reshape(-1, d)
         weights, experts = route(self.cfg, flat, self.router[...], self.e_score_correction_bias[...])
-        kernels = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        expert_weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
         lora = (self.w_gate_lora, self.w_up_lora, self.w_down_lora)
         shards = token_shards(self.cfg.n_routed_experts)
         if shards:
             # Experts sharded over a mesh axis: every token count (a decode step's few tokens padded to one per
             # shard) goes to the experts' owners by all-to-all; the expert weights never move.
             padded = pad_tokens(flat, weights, experts, shards, self.cfg.n_routed_experts)
-            routed = experts_ep(*padded, *kernels, lora, token_block=self.token_block, impl=self.transport,
+            routed = experts_ep(*padded, *expert_weights, lora, token_block=self.token_block, impl=self.transport,
                                 kernels=self.kernels)[:flat.shape[0]]
         else:
-            routed = experts_ragged(flat, weights, experts, *kernels, lora, self.kernels)
+            routed = experts_ragged(flat, weights, experts, *expert_weights, lora, self.kernels)
         routed = routed.astype(x.dtype).reshape(batch, seq, d)
         return constrain(routed + self.shared_experts(x), ("batch", "seq", "embed"))

@@ -60,7 +60,7 @@ SUFFIX_AXES = ("layers", None, "batch", None, None)
 class SuffixCache:
     """Per-sample cache of the tokens after a shared prompt, grouped like `KVCache`:
     c_kv[s] [repeats, U, G, Rc, C], k_rope[s] [repeats, U, G, Rc, R], index_k[s] [repeats, F, G, Rc, I]
-    (float32); `length`: tokens written ([] int32, the same for every row). Rc = 0 is an empty suffix
+    (all in the cache dtype); `length`: tokens written ([] int32, the same for every row). Rc = 0 is an empty suffix
     (one chunk run after the prompt and discarded: the response_only update, the new log-probs)."""
 
     c_kv: tuple[jax.Array, ...]

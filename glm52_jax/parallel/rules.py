@@ -114,11 +114,7 @@ def gather_weight(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     Always gathered, even for a decode step's few tokens: left sharded, GSPMD gathered the weights anyway
     (measured on the tiny folded=8 decode plan), in places of its own choosing."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    if mesh.empty or (len(axes) == x.ndim and weight_spec(axes, x.shape, mesh)
+                      == logical_to_spec(axes, mesh_axes=mesh.axis_names)):
         return x
-    if len(axes) != x.ndim:
-        raise ValueError(f"gather_weight: {len(axes)} axis names {tuple(axes)} for an array of rank {x.ndim}")
-    whole = logical_to_spec(axes, mesh_axes=mesh.axis_names)
-    if weight_spec(axes, x.shape, mesh) == whole:
-        return x
-    return jax.lax.with_sharding_constraint(x, whole)
+    return constrain(x, axes)  # to the spec without the FSDP axes (a wrong rank is refused there)
