@@ -15,8 +15,9 @@ from glm52_jax.rl.inputs import resolve
 from glm52_jax.rl.parity import receipt_name, run_parity
 from tests.run_helpers import config_spec
 
-# folded=8 is slow for CI's budget (~140 s; passed in the CI run of 2026-12-05 and by hand).
-MESHES = (pytest.param("folded=8", marks=pytest.mark.slow), "context=4,expert=2")
+# Both meshes are slow for CI's budget (~140-180 s each; both passed in CI runs of 2026-12-05 and by hand). CI keeps
+# parity on one device; sharded LoRA gradients against one device stay in CI through tests/parallel/test_distributed.py.
+MESHES = (pytest.param("folded=8", marks=pytest.mark.slow), pytest.param("context=4,expert=2", marks=pytest.mark.slow))
 # The PyTorch bridge joins the one-device run when the `parity` extra is installed (~10 s more).
 HAS_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers", "peft"))
 
