@@ -30,6 +30,10 @@ def get_config() -> ml_collections.ConfigDict:
     # Expert-parallel token exchange: auto (ragged_all_to_all on GPU, else dense), dense (fixed capacity), ragged
     c.model.moe_transport = "auto"
     c.model.moe_token_block = 1024  # tokens a device routes per expert-parallel exchange (buffers scale with it)
+    # The ragged exchange's receive buffer, in multiples of the rows a device sends per round (tokens x top-k; the
+    # average it receives when routing is balanced). Rows beyond it go in further passes: nothing is dropped.
+    # 0 = the worst case (every device's rows to one: N x), one pass but N x the work on the received rows.
+    c.model.moe_receive_capacity = 0.0
     c.model.lora_rank = 8  # LoRA rank r
     c.model.lora_alpha = 16.0  # LoRA scale = alpha / rank
     c.model.lora_families = choices.LORA_FAMILIES  # adapted weight families (attention, experts, ...)
@@ -129,4 +133,8 @@ def glm52_release(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     # A device routes 256 tokens per expert-parallel exchange: the receive buffer is sized for the worst case
     # (every device's pairs to one device: 32 x 256 x 8 rows of 6144), so the block bounds it.
     c.model.moe_token_block = 256
+    # ... and receive 2 x the rows sent (4,096 of 6144, 50 MB) instead of the worst case's 65,536 (805 MB): every
+    # op on the received rows (sort, expert matmuls, LoRA, casts, the return) shrinks 16x; a round whose busiest
+    # device gets more than 2x the average takes a second pass (dropless).
+    c.model.moe_receive_capacity = 2.0
     return c

@@ -30,12 +30,21 @@ Two transports (`impl`):
   rows, are excluded from `group_sizes` and so come out of `ragged_dot` (and its gradients) as
   zeros; compute on GPU-style grouped matmuls skips them, XLA:CPU's ragged_dot may not.
 - "ragged" (for GPU): `lax.ragged_all_to_all` sends exactly the rows each destination needs
-  (send buffer T_local*K rows); the receive buffer is still sized for the worst case
-  (N*T_local*K rows: every device's pairs to this one) because shapes are static. Offsets come
-  from an all-gather of the [N] per-destination counts. The results travel back in the activations'
-  dtype (bf16 on the real run: half the bytes of float32). Checked on CPU through an emulated
-  transport in the tests (XLA:CPU cannot compile it) and compiled deviceless for CUDA by plan mode.
-  "auto" picks ragged when the program is lowered for a GPU.
+  (send buffer T_local*K rows). Offsets come from an all-gather of the [N] per-destination counts.
+  The results travel back in the activations' dtype (bf16 on the real run: half the bytes of
+  float32). Checked on CPU through an emulated transport in the tests (XLA:CPU cannot compile it)
+  and compiled deviceless for CUDA by plan mode. "auto" picks ragged when the program is lowered
+  for a GPU.
+  Receive buffer: `receive_capacity` x T_local*K rows (static shapes need a bound; balanced routing
+  brings each device T_local*K rows on average). 0 sizes it for the worst case, N*T_local*K rows
+  (every device's pairs to this one): one pass always, but every op on the received rows (sort,
+  expert matmuls, casts, the return) then runs over N times the live rows (at 2M on 32 devices:
+  65,536 rows of which ~2,048 are live, per round). With a capacity C, a round runs in passes:
+  each destination takes the rows of its receive stream (sources in order) in windows of C, pass p
+  the window [p*C, (p+1)*C); the pass count is the same on every device (from the all-gathered
+  counts), 1 when no device receives more than C, so nothing is dropped whatever the routing.
+  The passes are a `lax.while_loop` (data-dependent trip count) with a custom VJP that loops the
+  per-pass VJPs the same way (`_sum_of_passes`).
 
 Any token count runs expert-parallel (`pad_tokens`): a decode step's few tokens are padded with
 zero-weight tokens to one per token shard, so a device's tokens travel to the experts' owners and
@@ -49,6 +58,7 @@ r LoRA rank.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -122,8 +132,9 @@ def _dispatch_plan(experts: jax.Array, n_local: int, n_dev: int):
     return order, dest, slot, counts, starts, (sorted_e % n_local).astype(jnp.int32)
 
 
-def _dense_body(x, weights, experts, w_gate, w_up, w_down, lora, *, axis, n_dev, kernels):
-    """Per-device body of the fixed-capacity all-to-all path (see the module docstring)."""
+def _dense_body(x, weights, experts, w_gate, w_up, w_down, lora, *, axis, n_dev, kernels, receive_capacity=0.0):
+    """Per-device body of the fixed-capacity all-to-all path (see the module docstring); sized for the worst
+    case whatever `receive_capacity` says (the dense transport serves CPU runs)."""
     tokens, k = experts.shape
     n_local = w_gate.shape[0]
     cap = tokens * k  # C: worst case, all L*K local pairs to one destination -> dropless
@@ -144,32 +155,97 @@ def _dense_body(x, weights, experts, w_gate, w_up, w_down, lora, *, axis, n_dev,
     return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(y_pairs)
 
 
-def _ragged_body(x, weights, experts, w_gate, w_up, w_down, lora, *, axis, n_dev, kernels):
+def _sum_of_passes(term, count, diff, ints):
+    """`sum(term(p, diff, ints) for p in range(count))` with a data-dependent `count` (int32 scalar, the
+    same on every device), differentiable in `diff`: a `lax.while_loop` forward, and a backward that
+    loops the same way over each pass's VJP (recomputing the pass; only the inputs are saved)."""
+
+    @jax.custom_vjp
+    def run(count, diff, ints):
+        def body(carry):
+            p, acc = carry
+            return p + 1, jax.tree.map(jnp.add, acc, term(p, diff, ints))
+
+        zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(term, jnp.int32(0), diff, ints))
+        return jax.lax.while_loop(lambda c: c[0] < count, body, (jnp.int32(0), zeros))[1]
+
+    def fwd(count, diff, ints):
+        return run(count, diff, ints), (count, diff, ints)
+
+    def bwd(res, cot):
+        count, diff, ints = res
+
+        def body(carry):
+            p, acc = carry
+            _, vjp = jax.vjp(lambda d: term(p, d, ints), diff)
+            return p + 1, jax.tree.map(jnp.add, acc, vjp(cot)[0])
+
+        grads = jax.lax.while_loop(lambda c: c[0] < count, body, (jnp.int32(0), jax.tree.map(jnp.zeros_like, diff)))
+        return None, grads[1], None
+
+    run.defvjp(fwd, bwd)
+    return run(count, diff, ints)
+
+
+def _pass_windows(counts_all: jax.Array, p, capacity: int):
+    """Pass `p` of a capacity-bounded exchange. `counts_all[s, d]`: rows device s sends device d in the round.
+
+    Each destination d receives its stream (sources in order, `first[s, d]` rows before source s's chunk)
+    in windows of `capacity` rows; pass p carries the window [p*capacity, (p+1)*capacity). Returns [N,N]
+    arrays: rows s sends d in this pass, how many of that chunk's rows went in earlier passes (skip), and
+    where they land in d's pass buffer; offsets of empty transfers are 0.
+    """
+    first = jnp.cumsum(counts_all, axis=0) - counts_all
+    lo = jnp.clip(first, p * capacity, (p + 1) * capacity)
+    size = jnp.clip(first + counts_all, p * capacity, (p + 1) * capacity) - lo
+    skip = jnp.where(size > 0, lo - first, 0)
+    landing = jnp.where(size > 0, lo - p * capacity, 0)
+    return size, skip, landing
+
+
+def _ragged_body(x, weights, experts, w_gate, w_up, w_down, lora, *, axis, n_dev, kernels, receive_capacity=0.0):
     """Per-device body of the `ragged_all_to_all` path (GPU; XLA:CPU cannot compile it)."""
     tokens, k = experts.shape
     n_local = w_gate.shape[0]
     rows = tokens * k
-    order, _, _, counts, starts, local = _dispatch_plan(experts, n_local, n_dev)
+    order, _, _, counts, _, local = _dispatch_plan(experts, n_local, n_dev)
     token_of = order // k
-    me = jax.lax.axis_index(axis)
     # counts_all[s, d]: pairs device s sends to device d.
     counts_all = jax.lax.all_gather(counts, axis)  # [N,N]
-    recv_sizes = counts_all[:, me]  # [N] from each source
-    # Where my chunk for d lands in d's receive buffer: after the chunks of sources before me.
-    out_offsets = (jnp.cumsum(counts_all, axis=0) - counts_all)[me]  # [N], indexed by destination
-    recv_offsets = jnp.cumsum(recv_sizes) - recv_sizes  # where source s's chunk lands here
-    recv_cap = n_dev * rows  # worst case: every device's pairs come here
-    xs = x[token_of]
-    recv = jax.lax.ragged_all_to_all(xs, jnp.zeros((recv_cap, x.shape[-1]), x.dtype), starts, counts,
-                                     out_offsets, recv_sizes, axis_name=axis)
-    recv_ids = jax.lax.ragged_all_to_all(local, jnp.full((recv_cap,), n_local, jnp.int32), starts, counts,
-                                         out_offsets, recv_sizes, axis_name=axis)
-    # Results go back in the activations' dtype (bf16 payload on the real run).
-    y = _local_experts(recv, recv_ids, n_local, w_gate, w_up, w_down, lora, kernels, rows).astype(x.dtype)
-    # Reverse: my received chunk from s goes back to s, at the offset it was sent from there.
-    back_offsets = (jnp.cumsum(counts_all, axis=1) - counts_all)[:, me]  # [N], indexed by source
-    back = jax.lax.ragged_all_to_all(y, jnp.zeros((rows, y.shape[-1]), y.dtype), recv_offsets, recv_sizes,
-                                     back_offsets, counts, axis_name=axis)
+    worst = n_dev * rows  # every device's pairs come here
+    capacity = worst if receive_capacity == 0 else min(worst, max(1, math.ceil(receive_capacity * rows)))
+    lora_arrays_ = tuple(None if t is None else t[:2] for t in lora)
+    scales = tuple(None if t is None else t[2] for t in lora)
+
+    def one_pass(p, diff, ints):
+        xs, w_gate, w_up, w_down, lora_ab = diff
+        local, counts_all = ints
+        me = jax.lax.axis_index(axis)
+        # starts_all[s, d]: the first row of s's chunk for d in s's expert-sorted rows.
+        starts_all = jnp.cumsum(counts_all, axis=1) - counts_all
+        size, skip, landing = _pass_windows(counts_all, p, capacity)
+        lora_p = tuple(None if ab is None else (*ab, s) for ab, s in zip(lora_ab, scales, strict=True))
+        send_sizes, send_from, send_to = size[me], starts_all[me] + skip[me], landing[me]  # [N] by destination
+        recv_sizes, recv_at = size[:, me], landing[:, me]  # [N] by source
+        recv = jax.lax.ragged_all_to_all(xs, jnp.zeros((capacity, xs.shape[-1]), xs.dtype), send_from, send_sizes,
+                                         send_to, recv_sizes, axis_name=axis)
+        recv_ids = jax.lax.ragged_all_to_all(local, jnp.full((capacity,), n_local, jnp.int32), send_from,
+                                             send_sizes, send_to, recv_sizes, axis_name=axis)
+        # Results go back in the activations' dtype (bf16 payload on the real run).
+        y = _local_experts(recv, recv_ids, n_local, w_gate, w_up, w_down, lora_p, kernels, rows).astype(xs.dtype)
+        # Reverse: the rows received from s go back to s, where they were taken from there.
+        back_to = starts_all[:, me] + skip[:, me]
+        return jax.lax.ragged_all_to_all(y, jnp.zeros((rows, y.shape[-1]), y.dtype), recv_at, recv_sizes, back_to,
+                                         send_sizes, axis_name=axis)
+
+    diff = (x[token_of], w_gate, w_up, w_down, lora_arrays_)
+    ints = (local, counts_all)
+    if capacity == worst:  # one pass always
+        back = one_pass(0, diff, ints)
+    else:
+        most = jnp.max(jnp.sum(counts_all, axis=0))  # the busiest destination's rows
+        passes = jnp.maximum(1, (most + capacity - 1) // capacity).astype(jnp.int32)
+        back = _sum_of_passes(one_pass, passes, diff, ints)
     y_pairs = back.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(y_pairs)
 
@@ -177,7 +253,8 @@ def _ragged_body(x, weights, experts, w_gate, w_up, w_down, lora, *, axis, n_dev
 def experts_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                w_down: jax.Array, lora: ExpertAdapters | None = None, *,
                mesh=None, expert_axis: str | None = None, token_axes: Sequence[str] | None = None,
-               impl: str = "dense", token_block: int | None = None, kernels: str = "reference") -> jax.Array:
+               impl: str = "dense", token_block: int | None = None, kernels: str = "reference",
+               receive_capacity: float = 0.0) -> jax.Array:
     """Expert-parallel `experts_ragged`: `x: [T,D], weights/experts: [T,K]`, `w_*: [E,D,I] / [E,I,D]` -> [T,D] f32.
 
     `lora`: None or the (gate, up, down) routed-expert `Adapter`s (A [E,in,r], B [E,r,out]).
@@ -188,6 +265,8 @@ def experts_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax
     "ragged" (GPU) or "auto" (ragged when lowering for a GPU). `kernels`: as in `grouped_swiglu`.
     `token_block`: route at most this many of a device's tokens per exchange (`lax.map` over
     blocks; None: all at once). The exchange buffers scale with it, not with the device's tokens.
+    `receive_capacity`: the ragged transport's receive buffer in multiples of the rows a device sends
+    per round (0: the worst case, N times; see the module docstring); dropless either way.
     """
     if mesh is None:
         mesh = jax.sharding.get_abstract_mesh()
@@ -213,6 +292,8 @@ def experts_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax
         raise ValueError(f"impl: expected one of {MOE_TRANSPORTS}, got {impl!r}")
     if impl == "auto":
         impl = "ragged" if targets_gpu() else "dense"
+    if receive_capacity != 0 and receive_capacity < 1:
+        raise ValueError(f"receive_capacity: expected 0 (worst case) or >= 1, got {receive_capacity!r}")
 
     # Only the adapter arrays cross the shard_map boundary (sharded on E); the scales stay static floats.
     lora_global = lora_arrays(lora) or (None, None, None)
@@ -227,7 +308,7 @@ def experts_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax
 
         def run(x, weights, experts):
             return body(x, weights, experts, w_gate, w_up, w_down, lora_local, axis=expert_axis, n_dev=n_dev,
-                        kernels=kernels)
+                        kernels=kernels, receive_capacity=receive_capacity)
 
         local = x.shape[0]
         if token_block is None or local <= token_block:

@@ -31,6 +31,10 @@ class ModelOptions:
     `moe_transport`: how the expert-parallel MoE exchanges token rows: "dense" (fixed-capacity
     all_to_all, runs everywhere), "ragged" (`ragged_all_to_all`: only the rows each device needs; GPU)
     or "auto" (ragged when the program is lowered for a GPU, else dense).
+    `moe_receive_capacity`: the ragged exchange's receive buffer in multiples of the rows a device sends per
+    round (balanced routing brings that many on average); rows beyond it go in further passes, so nothing is
+    dropped. 0 (default) sizes it for the worst case (N times: one pass, but every op on the received rows
+    runs over N times the live rows).
     """
 
     param_dtype: object = jnp.bfloat16
@@ -43,6 +47,7 @@ class ModelOptions:
     moe_token_block: int = 1024
     kernels: str = "auto"
     moe_transport: str = "auto"
+    moe_receive_capacity: float = 0.0
 
     def __post_init__(self):
         for name in ("indexer_query_block", "indexer_key_block", "attention_query_block", "moe_token_block"):
@@ -58,5 +63,8 @@ class ModelOptions:
         if self.moe_transport not in MOE_TRANSPORTS:
             raise ValueError(f"ModelOptions.moe_transport: expected one of {MOE_TRANSPORTS}, "
                              f"got {self.moe_transport!r}")
+        if not (self.moe_receive_capacity == 0 or self.moe_receive_capacity >= 1):
+            raise ValueError(f"ModelOptions.moe_receive_capacity: expected 0 (worst case) or >= 1, "
+                             f"got {self.moe_receive_capacity!r}")
         if self.lora is not None and not isinstance(self.lora, LoRAConfig):
             raise ValueError(f"ModelOptions.lora: expected a LoRAConfig or None, got {self.lora!r}")
