@@ -8,7 +8,10 @@ What the modeled time of a GPU plan divides by bandwidths (`plan.targets.modeled
                of the loops around it (`hlo.loop_multipliers`). Fusion parameters read only through
                slices (dynamic-slice, slice, gather, possibly behind bitcasts) count the slices; a
                dynamic-update-slice into a parameter (XLA updates the buffer in place) reads nothing
-               of it and writes only the update. Collectives are communication, not counted here.
+               of it and writes only the update. An async fusion (`fusion-start` / `fusion-done`,
+               XLA:GPU's dynamic-slice fusions inside loops) counts once, at its start, as the fusion
+               it runs: its operands through its body and its result (element 1 of the start's tuple,
+               not the tuple, which repeats the operands). Collectives are communication, not counted here.
   links        each collective's groups (replica_groups in any of XLA's printed forms, or
                source_target_pairs) against the host of every partition: a collective whose groups
                all stay within one host travels over NVLink, any other over the inter-host network.
@@ -37,8 +40,9 @@ from glm52_jax.plan.hlo import (
 _NO_TRAFFIC = frozenset({"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional",
                          "call", "after-all", "partition-id", "replica-id", "async-start", "async-update",
                          "async-done", "opt-barrier", "add-dependency", "domain", "copy-start", "copy-done", "send",
-                         "send-done", "recv", "recv-done"})
+                         "send-done", "recv", "recv-done", "fusion-done"})
 _SLICING = frozenset({"dynamic-slice", "slice", "gather"})
+_FUSIONS = frozenset({"fusion", "fusion-start"})
 _COLLECTIVE_STARTS = frozenset(f"{k}-start" for k in ("all-gather", "all-reduce", "collective-permute",
                                                        "reduce-scatter", "all-to-all", "ragged-all-to-all"))
 _GROUPS_EXPLICIT = re.compile(r"\b(?:replica_groups|source_target_pairs)=\{((?:\{[0-9,]*\},?)*)\}")
@@ -135,6 +139,20 @@ def _fusion_access(instrs: list[Instr]) -> tuple[dict[int, float], float]:
     return params, avoided
 
 
+def _tuple_elements(shape: str) -> list[str]:
+    """The top-level elements of a tuple shape `(a, (b, c), d)` -> ['a', '(b, c)', 'd']."""
+    inner, out, depth, cur = shape.strip()[1:-1], [], 0, ""
+    for ch in inner:
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return out + ([cur.strip()] if cur.strip() else [])
+
+
 def _kernel_bytes(ins: Instr, shapes: dict[str, str], fusions: dict[str, tuple[dict[int, float], float]]) -> float:
     """Bytes one execution of a kernel-level instruction reads and writes (a Pallas kernel's own count when its
     name carries one)."""
@@ -147,7 +165,9 @@ def _kernel_bytes(ins: Instr, shapes: dict[str, str], fusions: dict[str, tuple[d
         return 2 * written + sum(sizes[1:])
     if ins.opcode == "dynamic-update-slice":
         return 2 * sizes[1] + sum(sizes[2:])
-    if ins.opcode == "fusion":
+    if ins.opcode == "fusion-start":  # ((operands), result, context): the result is what the fusion writes
+        written = shape_bytes(_tuple_elements(ins.shape)[1])
+    if ins.opcode in _FUSIONS:
         callee = re.search(r"\bcalls=%?([^\s,}]+)", ins.attrs)
         params, avoided = fusions.get(callee.group(1) if callee else "", ({}, 0.0))
         sizes = [params.get(i, s) for i, s in enumerate(sizes)]
@@ -165,7 +185,7 @@ def traffic(text: str, hosts: Sequence[int]) -> dict[str, Any]:
     inside: set[str] = set()  # fusion bodies and reducers (and what they call): no kernels of their own
     pending = [callee for instrs in comps.values() for ins in instrs
                for role, callee in re.findall(r"\b(calls|to_apply)=%?([^\s,}]+)", ins.attrs)
-               if (ins.opcode == "fusion" and role == "calls") or (role == "to_apply" and ins.opcode != "call")]
+               if (ins.opcode in _FUSIONS and role == "calls") or (role == "to_apply" and ins.opcode != "call")]
     while pending:
         name = pending.pop()
         if name in comps and name not in inside:

@@ -6,6 +6,7 @@ import contextlib
 import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -71,6 +72,9 @@ def measure(program: Program, mesh, fast_compile: bool, target: str = "cpu") -> 
     if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
         cost = cost[0] if cost else {}
     text = compiled.as_text()
+    if os.environ.get("GLM52_PLAN_DUMP"):  # the text the numbers below come from, beside XLA's own dumps
+        name = getattr(program.fn, "__name__", "program")
+        Path(os.environ["GLM52_PLAN_DUMP"], f"{name}.{len(text)}.measured.hlo.txt").write_text(text)
     hlo = analyze_hlo(text)
     memory = {
         "argument_bytes": int(mem.argument_size_in_bytes),

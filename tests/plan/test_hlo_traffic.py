@@ -91,6 +91,19 @@ def test_memory_traffic_counts_slices_and_in_place_updates():
         == (256, 0)
 
 
+def test_async_fusion_counts_once_as_the_fusion_it_runs():
+    """XLA:GPU runs some dynamic-slice fusions in loops async: `fusion-start` (a tuple of the operands, the
+    result and a context) + `fusion-done`. Same traffic as the plain fusion: in place, 64 B per trip."""
+    sync = "  %cache2 = f32[64,16]{1,0} fusion(%cache, %acc2, %i), kind=kLoop, calls=%fused_write\n"
+    assert sync in MODULE
+    async_module = MODULE.replace(sync, (
+        "  %ws = ((f32[64,16]{1,0}, f32[16]{0}, s32[]), f32[64,16]{1,0}, u32[]) fusion-start(%cache, %acc2, %i), "
+        "kind=kLoop, calls=%fused_write\n"
+        "  %cache2 = f32[64,16]{1,0} fusion-done(%ws)\n"))
+    r = hlo_traffic.traffic(async_module, hosts=[0, 0, 1, 1])
+    assert r["memory_bytes_executed"] == 5 * (196 + 132) + 256
+
+
 @pytest.mark.parametrize("attrs, expected", [
     ("replica_groups={{0,1},{2,3}}", [[0, 1], [2, 3]]),
     ("replica_groups={}", [[0, 1, 2, 3]]),
