@@ -14,6 +14,7 @@ PREFILL_MODES = ("chunked", "whole")  # rollout/sampler.py
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # rl/grpo.py
 LORA_FAMILIES = ("attention", "routed_experts", "shared_expert", "dense_mlp", "unembed")  # model/lora.py
 KERNELS = ("auto", "reference", "pallas")  # model/options.py: auto = pallas on GPU, reference elsewhere
+MOE_CROSS_HOST = ("xla", "nccl")  # parallel/xla_options.py: how XLA:GPU runs the MoE exchange across hosts
 MOE_TRANSPORTS = ("auto", "dense", "ragged")  # model/expert_parallel.py: auto = ragged on GPU, dense elsewhere
 DTYPES = ("float32", "bfloat16")  # parameter (and activation) dtype of the base model
 PRESETS = ("tiny", "glm52")  # config.py architectures for `model.checkpoint="random"` and plan mode

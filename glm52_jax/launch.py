@@ -144,6 +144,7 @@ def _forward(spec) -> dict:
 
 def _plan(spec) -> dict:
     """Plan mode: no weights, no data; the checkpoint's config.json if present, else `model.preset`."""
+    from glm52_jax.parallel.xla_options import cross_host_options
     from glm52_jax.plan.planner import plan
     from glm52_jax.plan.report import format_plan
     from glm52_jax.rl.inputs import check_capacity, model_config
@@ -157,7 +158,8 @@ def _plan(spec) -> dict:
                   gradient_mode=spec.train.gradient_mode, lora=lora_config(spec.model),
                   dtype=spec.model.jnp_dtype(), chunk_size=s.chunk_size, prefill_mode=s.prefill_mode,
                   hbm_bytes=spec.plan.hbm_gib * 2**30, programs=spec.plan.programs, target=spec.plan.target,
-                  options=model_options(spec.model), log=_log)
+                  options=model_options(spec.model), xla_options=cross_host_options(spec.model.moe_cross_host),
+                  log=_log)
     report["model_source"] = source
     _log(format_plan(report))
     if FLAGS.workdir:
@@ -237,6 +239,10 @@ def main(argv):
 
             check_target(spec.plan.target)  # a GPU target without the CUDA plugin: a config error, before compiling
             ensure_virtual_devices(spec.mesh_spec().size)  # before JAX starts: virtual CPU devices for the mesh
+        else:  # the run's XLA options, before JAX starts its backend (plan mode gives them to each compile)
+            from glm52_jax.parallel.xla_options import cross_host_options, export_to_environ
+
+            export_to_environ(cross_host_options(spec.model.moe_cross_host))
         workdir = FLAGS.workdir
         if workdir is None and FLAGS.mode in ("train", "parity"):
             workdir = str(Path("runs") / f"{spec.name}_{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")

@@ -168,6 +168,7 @@ class ModelSpec(_Section):
     kernels: str = _rules(one_of(choices.KERNELS))
     moe_transport: str = _rules(one_of(choices.MOE_TRANSPORTS))
     moe_token_block: int = _rules(at_least(1))
+    moe_cross_host: str = _rules(one_of(choices.MOE_CROSS_HOST))
     moe_receive_capacity: float = _rules(lambda v: None if (v == 0 or v >= 1) and math.isfinite(v)
                                          else "must be 0 (the worst case) or >= 1")
     lora_rank: int = _rules(at_least(1))

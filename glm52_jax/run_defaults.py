@@ -34,6 +34,10 @@ def get_config() -> ml_collections.ConfigDict:
     # average it receives when routing is balanced). Rows beyond it go in further passes: nothing is dropped.
     # 0 = the worst case (every device's rows to one: N x), one pass but N x the work on the received rows.
     c.model.moe_receive_capacity = 0.0
+    # How XLA:GPU runs that exchange when it spans hosts (parallel/xla_options.py): "xla" = its multi-host
+    # decomposer (supported; all-gathers each round's send rows across hosts: 4x the bytes on 4 hosts), "nccl" =
+    # one ragged all-to-all of the exact rows by NCCL send/recv (XLA's fallback; unverified on hardware here).
+    c.model.moe_cross_host = "xla"
     c.model.lora_rank = 8  # LoRA rank r
     c.model.lora_alpha = 16.0  # LoRA scale = alpha / rank
     c.model.lora_families = choices.LORA_FAMILIES  # adapted weight families (attention, experts, ...)

@@ -43,7 +43,8 @@ def _compile(lowered):
         jax.config.update("jax_persistent_cache_min_compile_time_secs", min_secs)
 
 
-def measure(program: Program, mesh, fast_compile: bool, target: str = "cpu") -> dict[str, Any]:
+def measure(program: Program, mesh, fast_compile: bool, target: str = "cpu",
+            xla_options: dict | None = None) -> dict[str, Any]:
     """{"memory", "flops", "collectives", "largest_collectives", "loops", "traffic", "seconds"} of
     `program` compiled on `mesh` (see `report.NOTES` for what each number is).
 
@@ -56,8 +57,9 @@ def measure(program: Program, mesh, fast_compile: bool, target: str = "cpu") -> 
     # resident on the device all the same, so it belongs in the per-device total.
     jit_kw = dict(program.jit_kwargs, keep_unused=True)
     gpu = target in GPU_TARGETS
-    if gpu:
-        jit_kw["compiler_options"] = {**jit_kw.get("compiler_options", {}), **aot.compiler_options()}
+    if gpu:  # the run's own XLA options (`parallel.xla_options`: what its XLA_FLAGS carry) + the deviceless ones
+        jit_kw["compiler_options"] = {**jit_kw.get("compiler_options", {}), **(xla_options or {}),
+                                      **aot.compiler_options()}
     elif fast_compile and jax.default_backend() == "cpu":
         jit_kw["compiler_options"] = {**jit_kw.get("compiler_options", {}), **FAST_CPU_COMPILE}
     t0 = time.perf_counter()

@@ -43,7 +43,7 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
          programs: Iterable[str] = ("prefill", "decode", "train"), options=None, logprob_chunk: int = 1024,
          capacity_multiple: int = 256, donate_cache: bool = False, adamw=None, fast_compile: bool = True,
          prefill_mode: str = "chunked", samples_per_request: int = 0, probe_tokens: int = 0,
-         target: str = "cpu", topology: str | None = None,
+         target: str = "cpu", topology: str | None = None, xla_options: dict | None = None,
          log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Lowers and compiles the run's programs on `mesh_spec` with abstract weights and inputs.
 
@@ -66,6 +66,8 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
       target of `plan.targets.GPU_TARGETS`: every program compiled deviceless for CUDA on `topology`
       ("HOSTSx1xGPUS"; default `targets.topology_for(mesh size)`), fits against the target's memory x
       `targets.LAUNCHER_MEM_FRACTION`, and each program gets a modeled time (`targets.modeled_time`).
+    xla_options: XLA options the run sets (`parallel.xla_options`), given to every GPU compile; recorded in
+      the report's target.
     Returns a JSON-serialisable dict (see `format_plan`); per-device numbers throughout.
     """
     programs = tuple(programs)
@@ -107,6 +109,7 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
         report["issues"] = []
         report["notes"] = notes_for(target)
         report["target"] = _target_record(target, topology if gpu else None, hbm_bytes)
+        report["target"]["xla_options"] = dict(xla_options or {}) if gpu else {}
         if gpu:
             report["mesh"]["platform"] = f"cuda (deviceless {target}, topology {topology})"
         report["programs"] = {}
@@ -120,7 +123,7 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
             entry = {"what": program.what, "calls_per_transaction": program.calls,
                      "input_bytes_per_device": tree_bytes(program.args, per_device=True)}
             try:
-                entry.update(measure(program, mesh, fast_compile, target))
+                entry.update(measure(program, mesh, fast_compile, target, xla_options))
             except Exception as err:  # XLA's JaxRuntimeError; a kernel too large for the target is the user's to fix
                 from glm52_jax.kernels import aot
 

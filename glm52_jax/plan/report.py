@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from glm52_jax import choices
+from glm52_jax.parallel.xla_options import as_flags
 from glm52_jax.plan.hlo import COLLECTIVE_KINDS
 from glm52_jax.plan.targets import GPU_TARGETS, MODEL_NOTES
 
@@ -159,4 +160,6 @@ def _time_lines(report: dict[str, Any]) -> list[str]:
     lines.append(f"budget per device: {target['device_memory_bytes'] / 2**30:.2f} GiB "
                  f"x {target['memory_fraction']:.2f} "
                  f"(XLA_PYTHON_CLIENT_MEM_FRACTION of launch/run_node.sh) = {target['budget_bytes'] / 1e9:.2f} GB")
+    if target.get("xla_options"):
+        lines.append("XLA options of the run (model.moe_cross_host): " + " ".join(as_flags(target["xla_options"])))
     return lines

@@ -107,3 +107,27 @@ def test_transaction_programs_on_two_hosts():
         assert t["modeled_s"] == pytest.approx(max(t["compute_s"], t["memory_s"]) + t["communication_s"]), name
         assert t["modeled_s"] > 0, name
     assert report["programs"]["decode"]["flops"]["flops_executed"] > 0
+
+
+def test_cross_host_exchange_options_reach_the_compiler():
+    """model.moe_cross_host="nccl": the MoE's ragged all-to-all stays one exchange of the exact rows instead of
+    XLA's multi-host decomposition (an all-gather of every device's send rows across the 2 hosts); the options
+    are recorded in the report."""
+    from glm52_jax.parallel.xla_options import cross_host_options
+
+    gpu = dict(SHAPES, options=ModelOptions(indexer_query_block=16, indexer_key_block=16, attention_query_block=8,
+                                            kernels="reference", moe_transport="ragged"))
+    exchanged = {}
+    for choice in ("xla", "nccl"):
+        report = plan(CFG, FOLDED, programs=("forward",), topology="2x1x4", xla_options=cross_host_options(choice),
+                      **gpu)
+        assert report["target"]["xla_options"] == cross_host_options(choice)
+        entry = report["programs"]["forward"]
+        coll = entry["collectives"]
+        exchanged[choice] = (coll["all-to-all"]["bytes_executed"], coll["all-gather"]["bytes_executed"])
+        if choice == "nccl":
+            assert "XLA options of the run" in format_plan(report)
+    # The MoE's all-to-all bytes (ragged counted with it) fall by more than half, and the decomposer's all-gather
+    # of the send rows is gone (the rest of the all-gather bytes are the FSDP weights, the same in both).
+    (a2a_xla, gather_xla), (a2a_nccl, gather_nccl) = exchanged["xla"], exchanged["nccl"]
+    assert 0 < a2a_nccl < a2a_xla / 2 and gather_nccl < gather_xla, exchanged
