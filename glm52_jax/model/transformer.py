@@ -345,19 +345,19 @@ class GlmMoeDsa(nnx.Module):
     def logits(self, h: jax.Array, unembedding: jax.Array | None = None) -> jax.Array:
         """`h: [..., D] -> [..., V]` float32; `unembedding`: `self.unembedding()` when the caller gathered it
         once for several calls (e.g. outside a loop over chunks). Without one, a few-token `h`
-        (`keeps_weights_sharded`) is multiplied by the weight in place: only the logits are gathered."""
+        (`keeps_weights_sharded`) meets the weight where it lies: only the logits move (all-reduced partial
+        sums when FSDP splits D, as on the folded meshes; all-gathered slices when it splits V)."""
         var = self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head
         spec = "...d,vd->...v" if self.cfg.tie_word_embeddings else "...d,dv->...v"
         with tensor_parallel.active(unembedding is None and self.keeps_weights_sharded(h.size // h.shape[-1])):
             split = kept_split(var)
-        if split is None:
+        if split is not None:
+            h = h.astype(var.get_value().dtype)
+            out = tensor_parallel.einsum(spec, h, var[...], split)
+        else:
             w = self.unembedding() if unembedding is None else unembedding
             h = h.astype(w.dtype)
             out = jnp.einsum(spec, h, w, preferred_element_type=jnp.float32)
-        else:
-            w = var[...]
-            h = h.astype(w.dtype)
-            out = tensor_parallel.einsum(spec, h, w, split)
         if self.lm_head_lora is not None:
             out = out + self.lm_head_lora(h, "...d,dv->...v")
         return out
@@ -382,7 +382,7 @@ def target_logprobs(model: GlmMoeDsa, h: jax.Array, targets: jax.Array, chunk: i
     h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
     targets = jnp.pad(targets, ((0, 0), (0, pad)))
     nc = h.shape[1] // c
-    # Gathered once, not per chunk; a few-token call leaves it in place (each chunk's logits are gathered instead).
+    # Gathered once, not per chunk; a few-token call leaves it in place (each chunk's logits move instead).
     unembedding = None if model.keeps_weights_sharded(batch * n) else model.unembedding()
 
     def one(args):
