@@ -176,6 +176,7 @@ class ModelSpec(_Section):
     lora_families: tuple[str, ...] = _rules(subset_of(choices.LORA_FAMILIES))
     init_adapter: str = _rules()
     weight_sharding: str = _rules(one_of(choices.WEIGHT_SHARDINGS))
+    gather_weights_min_tokens: int = _rules(at_least(0))
 
     @property
     def checkpoint_path(self) -> Path | None:

@@ -49,6 +49,10 @@ def get_config() -> ml_collections.ConfigDict:
     # scan all-gathers one layer's weights just before use (forward, decode, gradients); "replicated" keeps a whole
     # copy per device (the routed experts are expert-sharded either way). Same result; on one device the same thing.
     c.model.weight_sharding = "fsdp"
+    # A call routing fewer tokens than this (decode steps, the response forward of a train step) keeps the FSDP-sharded
+    # weight matrices in place and runs their projections tensor-parallel: activations move instead of weights.
+    # 0 = always gather (the tiny configs: their weights are smaller than the activations' round trips).
+    c.model.gather_weights_min_tokens = 0
 
     c.data = ml_collections.ConfigDict()
     c.data.path = ""  # DAPO-schema parquet/JSONL; "" = the 75 bundled rows
@@ -141,4 +145,11 @@ def glm52_release(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     # op on the received rows (sort, expert matmuls, LoRA, casts, the return) shrinks 16x; a round whose busiest
     # device gets more than 2x the average takes a second pass (dropless).
     c.model.moe_receive_capacity = 2.0
+    # Gather a layer's weights or keep them in place (tensor-parallel projections), from bytes per device on 32 H20s
+    # (bf16 weights, float32 activations): the gather of an MoE layer's non-expert matrices receives ~418 MB; kept in
+    # place, the same layer moves ~516 KB per token (each projection's output, all-gathered, or its partial sums,
+    # all-reduced at 2x), so a forward breaks even near 810 tokens, and a rematerialised train step (the forward twice
+    # plus the backward's activation moves against two gathers) near 540. 512 keeps the decode steps (8 rows), the
+    # response forwards (16-128 tokens) in place and gathers for every prefill chunk (16K, or the whole prompt).
+    c.model.gather_weights_min_tokens = 512
     return c

@@ -32,7 +32,8 @@ def test_configs_override_only_what_they_change():
     base, m2, parity = (flatten(config_spec(n).to_dict()) for n in ("tiny", "2m", "32k_parity"))
     changed_2m = sorted(k for k in base if base[k] != m2[k])
     assert changed_2m == ["data.dedupe", "data.prompt_tokens", "mesh", "model.checkpoint", "model.dtype",
-                          "model.moe_receive_capacity", "model.moe_token_block", "model.preset",
+                          "model.gather_weights_min_tokens", "model.moe_receive_capacity", "model.moe_token_block",
+                          "model.preset",
                           "model.rope_scaling_json", "name", "plan.target",
                           "sampling.chunk_size",
                           "sampling.max_new_tokens", "sampling.prefill_mode", "sampling.prefix_cache_mib_per_device",
@@ -101,6 +102,7 @@ def test_the_spec_and_the_launcher_start_without_jax():
     ("model.moe_transport", "nccl", "--config.model.moe_transport=nccl: must be one of auto, dense, ragged"),
     ("model.moe_token_block", 0, "--config.model.moe_token_block=0: must be >= 1"),
     ("model.moe_receive_capacity", 0.5, "--config.model.moe_receive_capacity=0.5: must be 0 (the worst case) or >= 1"),
+    ("model.gather_weights_min_tokens", -1, "--config.model.gather_weights_min_tokens=-1: must be >= 0"),
     ("parity.reference", "shared", "--config.parity.reference=shared: must be one of conventional"),
     ("parity.lora_b_std", 0.0, "--config.parity.lora_b_std=0.0: must be > 0"),
     ("parity.outliers", 0, "--config.parity.outliers=0: must be >= 1"),
@@ -187,6 +189,9 @@ def test_choices_are_the_ones_the_code_implements():
         ModelOptions(kernels=kernels)
     for transport in choices.MOE_TRANSPORTS:
         ModelOptions(moe_transport=transport)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="gather_weights_min_tokens: expected an integer >= 0"):
+            ModelOptions(gather_weights_min_tokens=bad)
 
 
 def test_settings_build_the_objects_the_spec_configures():
@@ -194,12 +199,15 @@ def test_settings_build_the_objects_the_spec_configures():
 
     spec = config_spec("tiny", **{"train.max_grad_norm": 0.5, "model.lora_families": ("attention", "unembed"),
                                   "model.kernels": "reference", "model.moe_transport": "ragged",
-                                  "model.moe_token_block": 256, "model.moe_receive_capacity": 1.5})
+                                  "model.moe_token_block": 256, "model.moe_receive_capacity": 1.5,
+                                  "model.gather_weights_min_tokens": 64})
     lora = settings.lora_config(spec.model)
     assert (lora.rank, lora.alpha, lora.families) == (8, 16.0, frozenset({"attention", "unembed"}))
     options = settings.model_options(spec.model)
     assert (str(options.param_dtype), options.kernels, options.moe_transport, options.moe_token_block,
             options.moe_receive_capacity) == ("float32", "reference", "ragged", 256, 1.5)
+    assert options.gather_weights_min_tokens == 64
+    assert settings.model_options(config_spec("2m").model).gather_weights_min_tokens == 512
     adamw = settings.adamw(spec.train)
     assert (adamw.learning_rate, adamw.max_grad_norm, adamw.weight_decay) == (1e-4, 0.5, 0.0)
     loss = settings.loss_settings(spec.train)

@@ -60,8 +60,7 @@ class Indexer(nnx.Module):
         k = self.k_norm(project(x, self.wk, "bsd,di->bsi"))
         k_rot = rope_lib.apply_interleaved_rope(k[..., : self.rope_dim], cos, sin)
         k = jnp.concatenate([k_rot, k[..., self.rope_dim:]], axis=-1)
-        w = jnp.einsum("bsd,dh->bsh", x.astype(jnp.float32), self.weights_proj[...],
-                       preferred_element_type=jnp.float32) * (self.n_heads ** -0.5)
+        w = project(x, self.weights_proj, "bsd,dh->bsh") * (self.n_heads ** -0.5)  # float32 (the kernel's dtype)
         q = constrain(q.astype(jnp.float32), ("batch", "seq", "index_heads", "index_dim"))
         return q, k.astype(jnp.float32), w
 

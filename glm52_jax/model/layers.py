@@ -1,4 +1,5 @@
-"""Small building blocks: named parameters, norms, projections, gathering FSDP-sharded weights."""
+"""Small building blocks: named parameters, norms, projections, gathering FSDP-sharded weights (or, in a
+few-token call, keeping them in place: `parallel.tensor_parallel`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from glm52_jax.parallel.rules import STACK_AXIS, gather_weight
+from glm52_jax.parallel import tensor_parallel
+from glm52_jax.parallel.rules import STACK_AXIS, Split, fsdp_split, gather_weight
 
 Axes = tuple[str | None, ...]
 
@@ -27,21 +29,40 @@ def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: Axes, dtype, *, i
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
-def gathered_value(var: nnx.Variable) -> jax.Array:
-    """A base weight's value at its logical sharding: its FSDP shards all-gathered (`rules.gather_weight`).
-    Inside a layer scan `var` is one layer's slice of a stack whose axes still name 'layers' first."""
+def weight_axes(var: nnx.Variable) -> tuple[str | None, ...]:
+    """The logical axes of `var`'s value. Inside a layer scan `var` is one layer's slice of a stack whose axes
+    still name 'layers' first."""
     value = var.get_value()
     axes = tuple(var.get_metadata().get("out_sharding") or (None,) * value.ndim)
     if len(axes) == value.ndim + 1 and axes[0] == STACK_AXIS:
         axes = axes[1:]
-    return gather_weight(value, axes)
+    return axes
+
+
+def kept_split(var: nnx.Variable) -> Split | None:
+    """Where a base weight stays FSDP-sharded in a few-token call (`tensor_parallel.enabled()`): its
+    `rules.fsdp_split`, for matrices (rank >= 2); None (gathered as usual) otherwise. Vectors (norm scales,
+    biases) are kilobytes and simply gathered. `project` and the embedding / unembedding use a kept weight
+    tensor-parallel; other users of one (the MoE router, experts on a mesh where FSDP also splits them) get it
+    sharded and GSPMD / their shard_map moves what they need."""
+    value = var.get_value()
+    if not tensor_parallel.enabled() or value.ndim < 2:
+        return None
+    return fsdp_split(weight_axes(var), value.shape)
+
+
+def gathered_value(var: nnx.Variable) -> jax.Array:
+    """A base weight's value at its logical sharding: its FSDP shards all-gathered (`rules.gather_weight`)."""
+    return gather_weight(var.get_value(), weight_axes(var))
 
 
 def gather_params(state: nnx.State) -> nnx.State:
-    """`state` with every base weight (`nnx.Param`) gathered (`gathered_value`); LoRA and the rest as they are.
-    The layer scan's body applies it to one layer's state: the per-layer, just-in-time FSDP all-gather."""
-    return nnx.from_flat_state([(key, var.replace(gathered_value(var)) if isinstance(var, nnx.Param) else var)
-                                for key, var in nnx.to_flat_state(state)])
+    """`state` with every base weight (`nnx.Param`) gathered (`gathered_value`), except the ones a few-token
+    call keeps in place (`kept_split`); LoRA and the rest as they are. The layer scan's body applies it to one
+    layer's state: the per-layer, just-in-time FSDP all-gather."""
+    return nnx.from_flat_state([
+        (key, var.replace(gathered_value(var)) if isinstance(var, nnx.Param) and kept_split(var) is None else var)
+        for key, var in nnx.to_flat_state(state)])
 
 
 def gathered(module: nnx.Module) -> nnx.Module:
@@ -83,11 +104,17 @@ def project(x: jax.Array, kernel: nnx.Param, spec: str, lora=None) -> jax.Array:
     """`einsum(spec, x, kernel)` in the kernel's dtype with float32 accumulation.
 
     `lora`: None, or a callable `(x, spec) -> float32 delta` (a `lora.Adapter`), added to the
-    float32 accumulator before the cast.
+    float32 accumulator before the cast. A kernel a few-token call keeps FSDP-sharded (`kept_split`)
+    is used tensor-parallel (`tensor_parallel.einsum`); the LoRA delta is computed on the whole x either
+    way (adapters are not FSDP-sharded).
     """
     w = kernel[...]
     x = x.astype(w.dtype)
-    out = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+    split = kept_split(kernel)
+    if split is None:
+        out = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+    else:
+        out = tensor_parallel.einsum(spec, x, w, split)
     if lora is not None:
         out = out + lora(x, spec)
     return out.astype(w.dtype)

@@ -35,6 +35,9 @@ class ModelOptions:
     round (balanced routing brings that many on average); rows beyond it go in further passes, so nothing is
     dropped. 0 (default) sizes it for the worst case (N times: one pass, but every op on the received rows
     runs over N times the live rows).
+    `gather_weights_min_tokens`: a call (layer stack, logits) that routes fewer tokens than this (static:
+    B x S) keeps the FSDP-sharded frozen matrices in place and runs their projections tensor-parallel
+    (`parallel.tensor_parallel`: the activations move, not the weights); 0 (default) always gathers.
     """
 
     param_dtype: object = jnp.bfloat16
@@ -48,12 +51,16 @@ class ModelOptions:
     kernels: str = "auto"
     moe_transport: str = "auto"
     moe_receive_capacity: float = 0.0
+    gather_weights_min_tokens: int = 0
 
     def __post_init__(self):
         for name in ("indexer_query_block", "indexer_key_block", "attention_query_block", "moe_token_block"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelOptions.{name}: expected a positive integer, got {value!r}")
+        value = self.gather_weights_min_tokens
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"ModelOptions.gather_weights_min_tokens: expected an integer >= 0, got {value!r}")
         object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
         if self.context_parallel not in ("zigzag", "contiguous", "off"):
             raise ValueError(f"ModelOptions.context_parallel: expected 'zigzag', 'contiguous' or 'off', "

@@ -22,12 +22,13 @@ from glm52_jax import positions as rope_lib
 from glm52_jax.config import ModelConfig
 from glm52_jax.model import context_parallel as context
 from glm52_jax.model.kv_cache import KVCache, cache_from_entries, init_cache
-from glm52_jax.model.layers import RMSNorm, gather_params, gathered, gathered_value, param
+from glm52_jax.model.layers import RMSNorm, gather_params, gathered, gathered_value, kept_split, param
 from glm52_jax.model.lora import adapter
 from glm52_jax.model.mla import Attention
 from glm52_jax.model.moe import MLP, MoE
 from glm52_jax.model.options import ModelOptions
 from glm52_jax.model.shared_cache import SharedCache, SuffixCache, init_suffix
+from glm52_jax.parallel import tensor_parallel
 from glm52_jax.parallel.rules import constrain
 
 LayerKind = tuple[str, str]  # (mlp type, indexer type)
@@ -250,6 +251,12 @@ class GlmMoeDsa(nnx.Module):
             entries = jax.tree.map(lambda a: context.from_layout(a, layout, axis=3)[:, :, :, :seq], entries)
         return h, cache_from_entries(*entries, seq, capacity, self.opts.param_dtype)
 
+    def keeps_weights_sharded(self, tokens: int) -> bool:
+        """Whether a call routing `tokens` tokens (static) uses its FSDP-sharded weights in place, tensor-parallel
+        (`parallel.tensor_parallel`), instead of all-gathering them: fewer than
+        `opts.gather_weights_min_tokens` (0: never)."""
+        return tokens < self.opts.gather_weights_min_tokens
+
     def _run(self, input_ids, positions, cache, emit_entries=False):
         """The layer stacks over `input_ids: [B,S]` at `positions: [S]`, against `cache` or alone.
 
@@ -259,13 +266,23 @@ class GlmMoeDsa(nnx.Module):
         """
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
+        with tensor_parallel.active(self.keeps_weights_sharded(input_ids.size)):
+            return self._run_layers(input_ids, positions, cache, emit_entries)
+
+    def _embed(self, input_ids: jax.Array) -> jax.Array:
+        """`input_ids: [B,S] -> [B,S,D]`: rows of the gathered table, or of the table left in place."""
+        split = kept_split(self.embed_tokens)
+        if split is None:
+            return jnp.take(gathered_value(self.embed_tokens), input_ids, axis=0)
+        return tensor_parallel.take_rows(self.embed_tokens[...], input_ids, split)
+
+    def _run_layers(self, input_ids, positions, cache, emit_entries):
         cfg = self.cfg
         batch, seq = input_ids.shape
         table = rope_lib.rotary_table(cfg.rope, cfg.qk_rope_head_dim)
         cos, sin = rope_lib.rope_cos_sin(positions, table)
         cos, sin = cos[None], sin[None]  # [1,S,R/2]
-        h = jnp.take(gathered_value(self.embed_tokens), input_ids, axis=0)
-        h = constrain(h, ("batch", "seq", "embed"))
+        h = constrain(self._embed(input_ids), ("batch", "seq", "embed"))
         num_keys = seq if cache is None else cache.key_slots
         topk = jnp.zeros((batch, seq, min(cfg.index_topk, num_keys)), jnp.int32)
         produced: dict[int, jax.Array] = {}
@@ -279,7 +296,8 @@ class GlmMoeDsa(nnx.Module):
             def body(carry, xs, graphdef=graphdef, seg_cache=seg_cache):
                 h, topk = carry
                 unit_state, rep = xs
-                # FSDP: this layer's base weights all-gathered here, inside the loop, one layer at a time.
+                # FSDP: this layer's base weights all-gathered here, inside the loop, one layer at a time (in a
+                # few-token call only the vectors: the matrices are used in place, `layers.project`).
                 unit = nnx.merge(graphdef, gather_params(unit_state))
                 unit_cache = None if seg_cache is None else (seg_cache, rep)
                 h, topk, made, entries = unit(h, cos, sin, positions, topk, unit_cache, emit_entries)
@@ -326,11 +344,20 @@ class GlmMoeDsa(nnx.Module):
 
     def logits(self, h: jax.Array, unembedding: jax.Array | None = None) -> jax.Array:
         """`h: [..., D] -> [..., V]` float32; `unembedding`: `self.unembedding()` when the caller gathered it
-        once for several calls (e.g. outside a loop over chunks)."""
-        w = self.unembedding() if unembedding is None else unembedding
+        once for several calls (e.g. outside a loop over chunks). Without one, a few-token `h`
+        (`keeps_weights_sharded`) meets the weight where it lies: only the logits move (all-reduced partial
+        sums when FSDP splits D, as on the folded meshes; all-gathered slices when it splits V)."""
+        var = self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head
         spec = "...d,vd->...v" if self.cfg.tie_word_embeddings else "...d,dv->...v"
-        h = h.astype(w.dtype)
-        out = jnp.einsum(spec, h, w, preferred_element_type=jnp.float32)
+        with tensor_parallel.active(unembedding is None and self.keeps_weights_sharded(h.size // h.shape[-1])):
+            split = kept_split(var)
+        if split is not None:
+            h = h.astype(var.get_value().dtype)
+            out = tensor_parallel.einsum(spec, h, var[...], split)
+        else:
+            w = self.unembedding() if unembedding is None else unembedding
+            h = h.astype(w.dtype)
+            out = jnp.einsum(spec, h, w, preferred_element_type=jnp.float32)
         if self.lm_head_lora is not None:
             out = out + self.lm_head_lora(h, "...d,dv->...v")
         return out
@@ -355,7 +382,8 @@ def target_logprobs(model: GlmMoeDsa, h: jax.Array, targets: jax.Array, chunk: i
     h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
     targets = jnp.pad(targets, ((0, 0), (0, pad)))
     nc = h.shape[1] // c
-    unembedding = model.unembedding()  # gathered once, not per chunk
+    # Gathered once, not per chunk; a few-token call leaves it in place (each chunk's logits move instead).
+    unembedding = None if model.keeps_weights_sharded(batch * n) else model.unembedding()
 
     def one(args):
         hc, tc = args  # [B,c,D], [B,c]

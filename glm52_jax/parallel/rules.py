@@ -20,6 +20,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+Split = tuple[int, tuple[str, ...]]  # a base weight's FSDP-sharded dimension and the mesh axes sharding it
 
 FSDP = "fsdp"  # rules-table name of the mesh axes that shard the frozen base weights; no entry = replicated
 STACK_AXIS = "layers"  # the scanned stacks' leading axis (nnx.vmap's PARTITION_NAME): never FSDP-sharded
@@ -106,15 +107,27 @@ def weight_spec(axes: Sequence[str | None], shape: Sequence[int], mesh, rules: R
     return P(*parts)
 
 
+def fsdp_split(axes: Sequence[str | None], shape: Sequence[int]) -> Split | None:
+    """Which dimension of a base weight of logical `axes` and `shape` FSDP shards under the current mesh and
+    rules table (`weight_spec`), and over which mesh axes; None outside a mesh or when FSDP leaves it whole."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or len(axes) != len(shape):
+        return None
+    full, logical = weight_spec(axes, shape, mesh), logical_to_spec(axes, mesh_axes=mesh.axis_names)
+    for dim, (with_fsdp, without) in enumerate(zip(full, logical)):
+        if with_fsdp != without:
+            return dim, ((with_fsdp,) if isinstance(with_fsdp, str) else tuple(with_fsdp))
+    return None
+
+
 def gather_weight(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     """A base weight `x` of logical `axes` constrained to its logical spec without the FSDP axes: the
     all-gather of its FSDP shards, where it is about to be used. A no-op when FSDP leaves `x` alone
     and outside a mesh context.
 
-    Always gathered, even for a decode step's few tokens: left sharded, GSPMD gathered the weights anyway
-    (measured on the tiny folded=8 decode plan), in places of its own choosing."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or (len(axes) == x.ndim and weight_spec(axes, x.shape, mesh)
-                      == logical_to_spec(axes, mesh_axes=mesh.axis_names)):
+    Left sharded in a gathered-weights program, GSPMD gathered the weights anyway (measured on the tiny folded=8
+    decode plan), in places of its own choosing; a few-token call keeps them in place explicitly instead
+    (`parallel.tensor_parallel`)."""
+    if len(axes) == x.ndim and fsdp_split(axes, x.shape) is None:
         return x
     return constrain(x, axes)  # to the spec without the FSDP axes (a wrong rank is refused there)

@@ -23,7 +23,8 @@ def model_options(model: ModelSpec):
     from glm52_jax.model.options import ModelOptions
 
     return ModelOptions(param_dtype=model.jnp_dtype(), kernels=model.kernels, moe_transport=model.moe_transport,
-                        moe_token_block=model.moe_token_block, moe_receive_capacity=model.moe_receive_capacity)
+                        moe_token_block=model.moe_token_block, moe_receive_capacity=model.moe_receive_capacity,
+                        gather_weights_min_tokens=model.gather_weights_min_tokens)
 
 
 def loss_settings(train: TrainSpec):
