@@ -49,9 +49,8 @@ class MLP(nnx.Module):
         return project(h, self.down_proj, "...i,id->...d", self.down_proj_lora)
 
 
-def route(cfg: ModelConfig, x: jax.Array, router: jax.Array, bias: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`x: [T,D] -> (weights [T,K] float32, experts [T,K] int32)`."""
-    logits = jnp.einsum("td,de->te", x.astype(jnp.float32), router, preferred_element_type=jnp.float32)
+def route(cfg: ModelConfig, logits: jax.Array, bias: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Router `logits: [T,E]` float32 (x W_r) -> (weights [T,K] float32, experts [T,K] int32)."""
     scores = jax.nn.sigmoid(logits)
     choice = scores + bias
     groups = cfg.n_group
@@ -98,7 +97,9 @@ class MoE(nnx.Module):
         """`x: [B,S,D] -> [B,S,D]`."""
         batch, seq, d = x.shape
         flat = x.reshape(-1, d)
-        weights, experts = route(self.cfg, flat, self.router[...], self.e_score_correction_bias[...])
+        # float32 router through `project` (a few tokens' call keeps it in place, as the other weights)
+        logits = project(flat.astype(jnp.float32), self.router, "td,de->te")
+        weights, experts = route(self.cfg, logits, self.e_score_correction_bias[...])
         expert_weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
         lora = (self.w_gate_lora, self.w_up_lora, self.w_down_lora)
         shards = token_shards(self.cfg.n_routed_experts)
