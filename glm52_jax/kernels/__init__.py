@@ -47,13 +47,16 @@ def use_pallas(kernels: str) -> bool:
     return kernels == "pallas" or (kernels == "auto" and targets_gpu())
 
 
-def traffic_name(name: str, bytes_moved: float) -> str:
-    """A kernel's `pallas_call` name carrying the HBM bytes one call reads and writes (`NAME_bytes{n}`).
+def traffic_name(name: str, bytes_moved: float, flops: float | None = None) -> str:
+    """A kernel's `pallas_call` name carrying the HBM bytes one call reads and writes (`NAME_bytes{n}`), and
+    with `flops` the FLOPs it does (`NAME_flops{f}_bytes{n}`).
 
     Plan mode (plan/hlo_traffic.py) counts a Triton custom call by its operands and results, which for a
     kernel that reads rows of a whole cache table in place (the table is an operand) counts the table
-    every call; the kernel knows what it touches and says so here."""
-    return f"{name}_bytes{int(bytes_moved)}"
+    every call; the kernel knows what it touches and says so here. XLA counts no FLOPs in a custom call
+    (plan/hlo.py reads them from here)."""
+    work = "" if flops is None else f"_flops{int(flops)}"
+    return f"{name}{work}_bytes{int(bytes_moved)}"
 
 
 def interpret() -> bool:

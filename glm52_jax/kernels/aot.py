@@ -191,8 +191,9 @@ def _kernel_resources(dump: Path) -> dict:
         for name, grid, threads, smem in _THUNK_RE.findall(thunks.read_text()):
             regs, spills = registers.get(name, (None, None))
             # Keyed without the plan's byte annotation (`kernels.traffic_name`): "sparse_mla_forward", ...
-            kernels[re.sub(r"_bytes\d+", "", name)] = KernelResources(tuple(int(v) for v in grid.split(",")),
-                                            tuple(int(v) for v in threads.split(",")), int(smem), regs, spills)
+            key = re.sub(r"(_flops\d+)?_bytes\d+", "", name)
+            kernels[key] = KernelResources(tuple(int(v) for v in grid.split(",")),
+                                           tuple(int(v) for v in threads.split(",")), int(smem), regs, spills)
     return kernels
 
 

@@ -145,9 +145,11 @@ def forward(codes, q_lat, q_rope, kv_tables, kr_tables, *, scale, block_k, split
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         # Reads each query's K selected rows (not the whole tables it is given), writes o, m, l.
+        # FLOPs: per query, head and selected row the score over C + R dims and the value sum over C.
         name=kernels.traffic_name("sparse_mla_forward", codes.nbytes + q_lat.nbytes + q_rope.nbytes
                                   + n * k * (width + rope) * kv_tables[0].dtype.itemsize
-                                  + n * splits * heads * (width * jnp.dtype(out_dtype).itemsize + 8)),
+                                  + n * splits * heads * (width * jnp.dtype(out_dtype).itemsize + 8),
+                                  flops=2 * n * k * heads * (2 * width + rope)),
     )(codes, q_lat, q_rope, *kv_tables, *kr_tables)
 
 
@@ -227,9 +229,11 @@ def backward(codes, q_lat, q_rope, d_out, m, l, delta, kv_tables, kr_tables, *, 
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         # Per head block: q, do and the K selected rows read; dq partials and per-slot row gradients written.
+        # FLOPs: the scores again (C + R), dP = dO.V (C), dQ = dS.K and dK = dS^T.Q (C + R each), dV = P^T.dO (C).
         name=kernels.traffic_name("sparse_mla_backward", codes.nbytes + 2 * q_lat.nbytes + q_rope.nbytes
                                   + 3 * m.nbytes + head_blocks * n * k * (width + rope) * (
-                                      kv_tables[0].dtype.itemsize + 4) + n * splits * heads * (width + rope) * 4),
+                                      kv_tables[0].dtype.itemsize + 4) + n * splits * heads * (width + rope) * 4,
+                                  flops=2 * n * k * heads * (3 * (width + rope) + 2 * width)),
     )(codes, q_lat, q_rope, d_out, m, l, delta, *kv_tables, *kr_tables)
 
 

@@ -261,6 +261,8 @@ def _conv_flops(ins: Instr, shapes: dict[str, str]) -> float:
 _GROUPED_KERNEL = re.compile(r'op_name="[^"]*grouped_matmul(?:_t)?_rows(\d+)')
 # A Pallas kernel's name may carry the HBM bytes one call moves (kernels.traffic_name).
 KERNEL_BYTES = re.compile(r'op_name="[^"]*_bytes(\d+)/')
+# ... and the FLOPs one call does (kernels.traffic_name(..., flops=)).
+KERNEL_FLOPS = re.compile(r'op_name="[^"]*_flops(\d+)_bytes\d+/')
 
 
 def instr_flops(ins: Instr, shapes: dict[str, str]) -> tuple[float, float, bool]:
@@ -284,6 +286,8 @@ def instr_flops(ins: Instr, shapes: dict[str, str]) -> tuple[float, float, bool]
         lhs = _operand_dims(operands(ins)[1], shapes)
         k = lhs[-1] if lhs else 0
         return 2.0 * int(kernel.group(1)) * k * dims(ins.shape)[-1], 0.0, True
+    if ins.opcode == "custom-call" and (declared := KERNEL_FLOPS.search(ins.attrs)):
+        return float(declared.group(1)), 0.0, True
     if ins.opcode == "convolution":
         return _conv_flops(ins, shapes), 0.0, False
     if ins.opcode in _ELEMENTWISE:

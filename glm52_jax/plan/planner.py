@@ -19,7 +19,7 @@ from glm52_jax.plan.devices import check_device_count
 from glm52_jax.plan.measure import measure
 from glm52_jax.plan.programs import BUILDERS, PlanSetup
 from glm52_jax.plan.report import PROGRAMS, assess, notes_for
-from glm52_jax.plan.static import static_report
+from glm52_jax.plan.static import program_indexer_flops, static_report
 from glm52_jax.rl.update import AdamWConfig
 
 
@@ -138,6 +138,7 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
             # A grouped GEMM does 1/E of the dense lowering's work (see NOTES); balanced routing assumed.
             fl["flops_executed_grouped_gemm_estimate"] = (
                 fl["flops_executed"] - fl["ragged_dot_flops_executed"] * (1 - 1 / model_cfg.n_routed_experts))
+            fl["indexer_flops_analytic"] = program_indexer_flops(setup, name)
             # Left out for the CPU target: XLA:CPU's FLOPs and buffers are not a GPU's.
             entry["time"] = targets.modeled_time(entry, targets.SPEEDS[target]) if gpu else None
             mem = entry["memory"]

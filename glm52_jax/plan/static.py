@@ -3,6 +3,7 @@ device), and the DSA indexer FLOPs that the HLO count cannot see."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -30,6 +31,42 @@ def indexer_analytic(s: PlanSetup) -> dict[str, Any]:
         "train_flops_per_sample": per_pair * r * (p + r),
         "seq_shards": ways(s.mesh, "seq"),
     }
+
+
+def _cached_rows_pairs(rows: int, new: int, prefix: int) -> float:
+    """(query, visible key) pairs of `rows` sequences that each add `new` tokens after `prefix` cached ones."""
+    return rows * (new * prefix + new * (new + 1) / 2)
+
+
+def program_indexer_flops(s: PlanSetup, name: str) -> float:
+    """The DSA indexer's score FLOPs one call of program `name` does per device: the analytic count of
+    `indexer_analytic` for that program's (query, visible key) pairs, split evenly over the sequence shards.
+    The HLO count misses them (data-dependent key loops, counted once; the Pallas kernel, a custom call), so
+    plan mode adds them to the program's compute. 0 for a program without attention (inventory)."""
+    cfg = s.cfg
+    per_pair = 2 * cfg.index_n_heads * cfg.index_head_dim * sum(t == "full" for t in cfg.indexer_types)
+    if name.startswith("probe_"):
+        probe = dataclasses.replace(s, prompt_tokens=s.probe_tokens, probe_tokens=0)
+        return program_indexer_flops(probe, name[len("probe_"):]) if s.probe_tokens else 0.0
+    p, g, r, chunk = s.prompt_tokens, s.num_samples, s.max_new_tokens, min(s.chunk_size, s.prompt_tokens)
+    whole = p * (p + 1) / 2
+    if name == "prefill":
+        pairs = whole if s.prefill_mode == "whole" else whole / -(-p // chunk)  # chunked: the average call
+    elif name == "prefill_tail":
+        pairs = _cached_rows_pairs(1, chunk, p - chunk)
+    elif name == "forward":
+        pairs = whole
+    elif name == "decode":
+        pairs = _cached_rows_pairs(s.decode_rows, r, p)
+    elif name == "new_logprobs":
+        pairs = _cached_rows_pairs(g, r, p)
+    elif name == "train":
+        pairs = {"conventional": g * (p + r) * (p + r + 1) / 2,
+                 "shared_prefix": whole + _cached_rows_pairs(g, r, p)}.get(s.gradient_mode,
+                                                                           _cached_rows_pairs(g, r, p))
+    else:
+        pairs = 0.0
+    return per_pair * pairs / ways(s.mesh, "seq")
 
 
 def static_report(s: PlanSetup, mesh_spec, lora, dtype) -> dict[str, Any]:

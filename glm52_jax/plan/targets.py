@@ -45,7 +45,8 @@ SPEEDS = {
 }
 
 MODEL_NOTES = (
-    "modeled time per program call (GPU targets): compute = flops_executed / bf16 peak; memory = "
+    "modeled time per program call (GPU targets): compute = (flops_executed + indexer_flops_analytic) / bf16 "
+    "peak; memory = "
     "memory_bytes_executed / HBM bandwidth; communication = collective bytes within a host / NVLink + collective "
     "bytes across hosts / the per-GPU inter-host rate; modeled = max(compute, memory) + communication (no overlap "
     "of communication with work assumed)",
@@ -54,8 +55,10 @@ MODEL_NOTES = (
     "the update), times known trip counts; collectives are not in it",
     "collective bytes are result-shape bytes (see above), all taken over the slower link a collective's groups "
     "span: an upper bound for a ring all-gather, whose per-device traffic is (n-1)/n of it",
-    "FLOPs inside Pallas kernels (custom calls) and the repeats of data-dependent loops (the DSA indexer's key "
-    "loop) are not in flops_executed: see indexer_analytic",
+    "FLOPs inside Pallas kernels (custom calls) are in flops_executed only where the kernel declares them in its "
+    "name (sparse MLA, grouped matmul); the DSA indexer's scores sit in data-dependent key loops (counted once by "
+    "the HLO): indexer_flops_analytic adds them per program (the program's query / visible-key pairs x "
+    "2 * index heads * index head dim per 'full' layer, split evenly over the sequence shards)",
 )
 
 
@@ -102,7 +105,8 @@ def budget_bytes(target: str, hbm_bytes: float, device_memory: int | None) -> fl
 def modeled_time(entry: dict[str, Any], speeds: Speeds) -> dict[str, float]:
     """{compute_s, memory_s, communication_s, modeled_s} of one program call from its measured entry."""
     traffic = entry["traffic"]
-    compute = entry["flops"]["flops_executed"] / speeds.flops_per_s
+    flops = entry["flops"]["flops_executed"] + entry["flops"].get("indexer_flops_analytic", 0.0)
+    compute = flops / speeds.flops_per_s
     memory = traffic["memory_bytes_executed"] / speeds.hbm_bytes_per_s
     communication = (traffic["collective_bytes_executed_within_host"] / speeds.nvlink_bytes_per_s
                       + traffic["collective_bytes_executed_across_hosts"] / speeds.network_bytes_per_s)

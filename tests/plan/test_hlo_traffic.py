@@ -154,3 +154,26 @@ def test_a_pallas_kernel_declares_its_bytes():
     that does not is counted by its operands and result (here the whole 1.15 GB table)."""
     plain = 64 * 576 * 2 + 1_000_000 * 576 * 2 + 64 * 576 * 4
     assert hlo_traffic.traffic(KERNELS, hosts=[0])["memory_bytes_executed"] == 5000 + plain
+
+
+def test_a_pallas_kernel_declares_its_flops():
+    """XLA counts no FLOPs in a custom call; a kernel that names them (`kernels.traffic_name(..., flops=)`) is
+    counted by them, one that does not stays at 0. The name still carries its bytes."""
+    from glm52_jax.kernels import traffic_name
+
+    name = traffic_name("sparse_mla_forward", 5000, flops=2 * 64 * 2048 * 1088)
+    assert name == f"sparse_mla_forward_flops{2 * 64 * 2048 * 1088}_bytes5000"
+    module = KERNELS.replace("sparse_mla_forward_bytes5000", name)
+    shapes = {"q": "bf16[64,576]{1,0}", "table": "bf16[1000000,576]{1,0}"}
+    declared, plain = (ins for ins in _entry_instructions(module) if ins.opcode == "custom-call")
+    assert instr_flops(declared, shapes) == (2.0 * 64 * 2048 * 1088, 0.0, True)
+    assert instr_flops(plain, shapes)[0] == 0.0
+    plain_bytes = 64 * 576 * 2 + 1_000_000 * 576 * 2 + 64 * 576 * 4
+    assert hlo_traffic.traffic(module, hosts=[0])["memory_bytes_executed"] == 5000 + plain_bytes
+
+
+def _entry_instructions(module: str) -> list[Instr]:
+    from glm52_jax.plan.hlo import parse_hlo
+
+    comps, entry = parse_hlo(module)
+    return comps[entry]

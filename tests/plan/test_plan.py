@@ -152,6 +152,19 @@ def test_folded_collectives_and_flops(folded):
     assert folded["fits"] and folded["largest_program"] in folded["programs"]
 
 
+def test_indexer_flops_per_program(folded):
+    """The DSA indexer's score FLOPs the HLO cannot count (data-dependent key loops), per program and device:
+    2 * index heads * index head dim per (query, visible key) pair and 'full' layer, / 8 sequence shards."""
+    per_pair = 2 * CFG.index_n_heads * CFG.index_head_dim * 1  # one 'full' layer
+    p, r, g, rows, probe = 96, 8, 2, 4, 40
+    cached = lambda n, prefix: n * (r * prefix + r * (r + 1) / 2)  # noqa: E731  n rows add r tokens after prefix
+    expected = {"prefill": p * (p + 1) / 2 / 3,  # chunked: 3 calls of 32, the average call
+                "decode": cached(rows, p), "train": cached(g, p), "new_logprobs": cached(g, p), "inventory": 0,
+                "probe_prefill": probe * (probe + 1) / 2 / 2, "probe_decode": cached(rows, probe)}
+    got = {name: prog["flops"]["indexer_flops_analytic"] for name, prog in folded["programs"].items()}
+    assert got == pytest.approx({name: per_pair * pairs / 8 for name, pairs in expected.items()})
+
+
 def test_report_is_json_and_formats(folded):
     again = json.loads(json.dumps(folded))
     # Chunked prefill mode: a later candidate's tail is the `prefill` program itself.
