@@ -23,7 +23,9 @@ Layout (N = size of the expert mesh axis, the axis the `experts` logical axis ma
 Two transports (`impl`):
 - "dense" (default, runs on XLA:CPU, which lacks `ragged_all_to_all`): a fixed-capacity
   `lax.all_to_all`. Each device sends every destination a buffer of C = T_local*K rows, the worst
-  case (all of its pairs to one device), so it is dropless by construction. Memory per device and
+  case (all of its pairs to one device), so it is dropless by construction. With a
+  `receive_capacity`, chunks of receive_capacity x T_local*K/N rows instead, in passes as for the
+  ragged transport below (`_dense_passes`). Memory per device and
   per MoE layer: send and receive buffers of N*C*D activations each (N times the
   T_local*K*D of the ragged path), plus the expert intermediates over the N*C received rows
   (`[N*C, I]` for gate and up). Padding rows carry the sentinel local id E/N, sort after the real
@@ -133,10 +135,13 @@ def _dispatch_plan(experts: jax.Array, n_local: int, n_dev: int):
 
 
 def _dense_body(x, weights, experts, w_gate, w_up, w_down, lora, *, axis, n_dev, kernels, receive_capacity=0.0):
-    """Per-device body of the fixed-capacity all-to-all path (see the module docstring); sized for the worst
-    case whatever `receive_capacity` says (the dense transport serves CPU runs)."""
+    """Per-device body of the fixed-capacity all-to-all path (see the module docstring). `receive_capacity` 0:
+    chunks sized for the worst case; else bounded chunks in passes (`_dense_passes`)."""
     tokens, k = experts.shape
     n_local = w_gate.shape[0]
+    if receive_capacity:
+        return _dense_passes(x, weights, experts, w_gate, w_up, w_down, lora, axis=axis, n_dev=n_dev,
+                             kernels=kernels, receive_capacity=receive_capacity)
     cap = tokens * k  # C: worst case, all L*K local pairs to one destination -> dropless
     order, dest, slot, _, _, local = _dispatch_plan(experts, n_local, n_dev)
     token_of = order // k
@@ -185,6 +190,42 @@ def _sum_of_passes(term, count, diff, ints):
 
     run.defvjp(fwd, bwd)
     return run(count, diff, ints)
+
+
+def _dense_passes(x, weights, experts, w_gate, w_up, w_down, lora, *, axis, n_dev, kernels, receive_capacity):
+    """The dense transport with chunks of `ceil(receive_capacity * L*K / N)` rows per destination (balanced
+    routing sends each destination L*K/N rows on average) instead of the worst case's L*K: pass p carries
+    rows [p*c, (p+1)*c) of every (source, destination) chunk; as many passes as the fullest chunk on any
+    device needs (`_sum_of_passes`), so nothing is dropped. Plain `all_to_all`s of fixed shape: the
+    collective every backend runs, across hosts too. Results travel back in the activations' dtype."""
+    tokens, k = experts.shape
+    n_local = w_gate.shape[0]
+    rows = tokens * k
+    cap = min(rows, max(1, math.ceil(receive_capacity * rows / n_dev)))
+    order, dest, slot, counts, _, local = _dispatch_plan(experts, n_local, n_dev)
+    token_of = order // k
+    scales = tuple(None if t is None else t[2] for t in lora)
+
+    def one_pass(p, diff, ints):
+        xs, w_gate, w_up, w_down, lora_ab = diff
+        dest, slot, local = ints
+        lora_p = tuple(None if ab is None else (*ab, s) for ab, s in zip(lora_ab, scales, strict=True))
+        # Row j of this pass's chunk for d; rows outside the window go to the out-of-range slot `cap` (dropped).
+        window = jnp.where((slot >= p * cap) & (slot < (p + 1) * cap), slot - p * cap, cap)
+        send = jnp.zeros((n_dev, cap, xs.shape[-1]), xs.dtype).at[dest, window].set(xs, mode="drop")
+        send_ids = jnp.full((n_dev, cap), n_local, jnp.int32).at[dest, window].set(local, mode="drop")
+        recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)
+        recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0, tiled=True)
+        y = _local_experts(recv.reshape(n_dev * cap, -1), recv_ids.reshape(-1), n_local, w_gate, w_up, w_down,
+                           lora_p, kernels, rows).astype(xs.dtype)
+        back = jax.lax.all_to_all(y.reshape(n_dev, cap, -1), axis, 0, 0, tiled=True)
+        return jnp.where((window < cap)[:, None], back[dest, jnp.minimum(window, cap - 1)], 0)
+
+    lora_ab = tuple(None if t is None else t[:2] for t in lora)
+    passes = jnp.maximum(1, (jax.lax.pmax(jnp.max(counts), axis) + cap - 1) // cap).astype(jnp.int32)
+    back = _sum_of_passes(one_pass, passes, (x[token_of], w_gate, w_up, w_down, lora_ab), (dest, slot, local))
+    y_pairs = back.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(y_pairs)
 
 
 def _pass_windows(counts_all: jax.Array, p, capacity: int):

@@ -233,20 +233,26 @@ def test_grouped_matmul_kernel_inside_the_shard_map():
     _check(_problem(2, False, seed=5), "folded8", functools.partial(experts_ep, kernels="pallas"))
 
 
+@pytest.mark.parametrize("impl", ["ragged", "dense"])
 @pytest.mark.parametrize("name,k,skewed,capacity", [("folded8", 4, True, 1.25), ("context4_expert2", 2, True, 1.0)])
-def test_bounded_receive_buffer_passes(monkeypatch, name, k, skewed, capacity):
-    """A receive buffer of `capacity` x the rows a device sends: the rows beyond it go in further passes
-    (skewed: every pair to one device; 1.25x windows split the sources' chunks across passes), outputs and
-    gradients as `experts_ragged`, and the jaxpr's receive buffer has capacity rows, not the worst case's N x."""
+def test_bounded_receive_buffer_passes(monkeypatch, impl, name, k, skewed, capacity):
+    """A receive buffer of `capacity` x the rows a device sends (ragged; dense: capacity x rows / N per
+    destination chunk): the rows beyond it go in further passes (skewed: every pair to one device; 1.25x windows
+    split the sources' chunks across passes), outputs and gradients as `experts_ragged`, and the jaxpr's buffers
+    have the bounded shape, not the worst case's."""
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", _ragged_all_to_all_by_gather)
     prob = _problem(k, skewed, seed=13)
-    ep = functools.partial(experts_ep, impl="ragged", receive_capacity=capacity)
+    ep = functools.partial(experts_ep, impl=impl, receive_capacity=capacity)
     _check(prob, name, ep)
-    spec, _, token_axes = MESHES[name]
+    spec, axis, token_axes = MESHES[name]
     mesh = spec.make()
     rows = T // int(np.prod([mesh.shape[a] for a in token_axes])) * k  # pairs a device sends per round
     with rules.axis_rules(spec.rules()), jax.set_mesh(mesh):
         jaxpr = str(jax.make_jaxpr(ep)(prob["x"], prob["weights"], prob["experts"], *prob["w"]))
-    n_dev = mesh.shape[MESHES[name][1]]
-    assert f"f32[{int(capacity * rows)},{D}]" in jaxpr and f"f32[{n_dev * rows},{D}]" not in jaxpr
+    n_dev = mesh.shape[axis]
+    if impl == "ragged":
+        assert f"f32[{int(capacity * rows)},{D}]" in jaxpr and f"f32[{n_dev * rows},{D}]" not in jaxpr
+    else:
+        chunk = -(-int(capacity * rows) // n_dev)
+        assert f"f32[{n_dev},{chunk},{D}]" in jaxpr and f"f32[{n_dev},{rows},{D}]" not in jaxpr
     assert "while" in jaxpr
