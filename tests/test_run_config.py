@@ -33,7 +33,7 @@ def test_configs_override_only_what_they_change():
     changed_2m = sorted(k for k in base if base[k] != m2[k])
     assert changed_2m == ["data.dedupe", "data.prompt_tokens", "mesh", "model.checkpoint", "model.dtype",
                           "model.gather_weights_min_tokens", "model.moe_receive_capacity", "model.moe_token_block",
-                          "model.preset",
+                          "model.moe_transport", "model.preset",
                           "model.rope_scaling_json", "name", "plan.target",
                           "sampling.chunk_size",
                           "sampling.max_new_tokens", "sampling.prefill_mode", "sampling.prefix_cache_mib_per_device",

@@ -72,6 +72,10 @@ from glm52_jax.kernels import targets_gpu
 from glm52_jax.model.grouped_mlp import ExpertAdapters, experts_ragged, grouped_swiglu, lora_arrays
 from glm52_jax.parallel.rules import logical_to_spec
 
+# A bounded exchange keeps at least this many rows per destination (a few tokens' rounds, e.g. a decode step's
+# 8 pairs per device, stay one pass: below this the exchange is all latency, and a second pass doubles it).
+MIN_CHUNK_ROWS = 16
+
 
 def _mesh_axes(spec_entry) -> tuple[str, ...]:
     if spec_entry is None:
@@ -201,7 +205,7 @@ def _dense_passes(x, weights, experts, w_gate, w_up, w_down, lora, *, axis, n_de
     tokens, k = experts.shape
     n_local = w_gate.shape[0]
     rows = tokens * k
-    cap = min(rows, max(1, math.ceil(receive_capacity * rows / n_dev)))
+    cap = min(rows, max(MIN_CHUNK_ROWS, math.ceil(receive_capacity * rows / n_dev)))
     order, dest, slot, counts, _, local = _dispatch_plan(experts, n_local, n_dev)
     token_of = order // k
     scales = tuple(None if t is None else t[2] for t in lora)
@@ -254,7 +258,8 @@ def _ragged_body(x, weights, experts, w_gate, w_up, w_down, lora, *, axis, n_dev
     # counts_all[s, d]: pairs device s sends to device d.
     counts_all = jax.lax.all_gather(counts, axis)  # [N,N]
     worst = n_dev * rows  # every device's pairs come here
-    capacity = worst if receive_capacity == 0 else min(worst, max(1, math.ceil(receive_capacity * rows)))
+    capacity = worst if receive_capacity == 0 else min(worst, max(n_dev * MIN_CHUNK_ROWS,
+                                                                  math.ceil(receive_capacity * rows)))
     lora_arrays_ = tuple(None if t is None else t[:2] for t in lora)
     scales = tuple(None if t is None else t[2] for t in lora)
 
