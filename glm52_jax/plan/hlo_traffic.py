@@ -177,7 +177,8 @@ def _kernel_bytes(ins: Instr, shapes: dict[str, str], fusions: dict[str, tuple[d
 
 def traffic(text: str, hosts: Sequence[int]) -> dict[str, Any]:
     """{memory_bytes_executed, collective_bytes_executed_within_host, collective_bytes_executed_across_hosts,
-    collectives_with_unknown_groups} of one compiled module's text; `hosts[p]` is partition p's host."""
+    collectives_executed_within_host / _across_hosts (how many run), collectives_with_unknown_groups} of one
+    compiled module's text; `hosts[p]` is partition p's host."""
     comps, entry = parse_hlo(text)
     if entry is None:
         raise ValueError("traffic: no ENTRY computation in the HLO text")
@@ -193,7 +194,8 @@ def traffic(text: str, hosts: Sequence[int]) -> dict[str, Any]:
             pending += [c for ins in comps[name] for c in re.findall(r"\b(?:calls|to_apply)=%?([^\s,}]+)", ins.attrs)]
     fusions = {name: _fusion_access(comps[name]) for name in inside}
     out = {"memory_bytes_executed": 0.0, "collective_bytes_executed_within_host": 0.0,
-           "collective_bytes_executed_across_hosts": 0.0, "collectives_with_unknown_groups": 0}
+           "collective_bytes_executed_across_hosts": 0.0, "collectives_executed_within_host": 0,
+           "collectives_executed_across_hosts": 0, "collectives_with_unknown_groups": 0}
     for name, instrs in comps.items():
         times = mult.get(name, 0)
         if name in inside or times == 0:
@@ -208,6 +210,7 @@ def traffic(text: str, hosts: Sequence[int]) -> dict[str, Any]:
                 out["collectives_with_unknown_groups"] += groups is None
                 link = "across_hosts" if crosses_hosts(groups, hosts) else "within_host"
                 out[f"collective_bytes_executed_{link}"] += collective_bytes(ins, shapes) * times
+                out[f"collectives_executed_{link}"] += times  # an async pair once, at its -done
             elif ins.opcode not in _NO_TRAFFIC and ins.opcode not in _COLLECTIVE_STARTS:
                 out["memory_bytes_executed"] += _kernel_bytes(ins, shapes, fusions) * times
     return out

@@ -30,6 +30,10 @@ class Speeds:
     nvlink_bytes_per_s: float  # NVLink 4, per GPU and direction (900 GB/s bidirectional)
     network_bytes_per_s: float  # inter-host, per GPU: the host's NICs shared by its GPUS_PER_HOST GPUs
     source: str
+    # Fixed cost of one collective (launch + synchronisation), whatever its size: what a step of many small
+    # collectives (a decode step's tensor-parallel projections) pays. Assumed, typical NCCL small-message figures.
+    nvlink_latency_s: float = 10e-6
+    network_latency_s: float = 30e-6
 
 
 # ../shared/research/performance_rooflines.md §1 (H20: 148 TFLOPS bf16 dense, 4.0 TB/s; H200: 989.5 TFLOPS,
@@ -38,18 +42,19 @@ class Speeds:
 SPEEDS = {
     "h20": Speeds(148e12, 4.0e12, 450e9, 4 * 400e9 / 8 / GPUS_PER_HOST,
                   "H20: 148 TFLOPS bf16 dense, HBM 4.0 TB/s, NVLink 450 GB/s per direction, inter-host "
-                  "4 x 400 Gb/s per host (assumed) = 25 GB/s per GPU"),
+                  "4 x 400 Gb/s per host (assumed) = 25 GB/s per GPU; 10 / 30 us per collective within / across "
+                  "hosts (assumed)"),
     "h200": Speeds(989.5e12, 4.8e12, 450e9, 8 * 400e9 / 8 / GPUS_PER_HOST,
                    "H200: 989.5 TFLOPS bf16 dense, HBM 4.8 TB/s, NVLink 450 GB/s per direction, inter-host "
-                   "8 x 400 Gb/s per host (assumed) = 50 GB/s per GPU"),
+                   "8 x 400 Gb/s per host (assumed) = 50 GB/s per GPU; 10 / 30 us per collective within / across "
+                   "hosts (assumed)"),
 }
 
 MODEL_NOTES = (
     "modeled time per program call (GPU targets): compute = (flops_executed + indexer_flops_analytic) / bf16 "
-    "peak; memory = "
-    "memory_bytes_executed / HBM bandwidth; communication = collective bytes within a host / NVLink + collective "
-    "bytes across hosts / the per-GPU inter-host rate; modeled = max(compute, memory) + communication (no overlap "
-    "of communication with work assumed)",
+    "peak; memory = memory_bytes_executed / HBM bandwidth; communication = collective bytes within a host / NVLink "
+    "+ collective bytes across hosts / the per-GPU inter-host rate + a fixed latency per collective executed (by "
+    "link); modeled = max(compute, memory) + communication (no overlap of communication with work assumed)",
     "memory_bytes_executed: every kernel (fusion, custom call, copy, ...) reads its operands and writes its result "
     "once (a fusion parameter read only through slices counts the slices; an in-place dynamic-update-slice counts "
     "the update), times known trip counts; collectives are not in it",
@@ -109,7 +114,9 @@ def modeled_time(entry: dict[str, Any], speeds: Speeds) -> dict[str, float]:
     compute = flops / speeds.flops_per_s
     memory = traffic["memory_bytes_executed"] / speeds.hbm_bytes_per_s
     communication = (traffic["collective_bytes_executed_within_host"] / speeds.nvlink_bytes_per_s
-                      + traffic["collective_bytes_executed_across_hosts"] / speeds.network_bytes_per_s)
+                      + traffic["collective_bytes_executed_across_hosts"] / speeds.network_bytes_per_s
+                      + traffic.get("collectives_executed_within_host", 0) * speeds.nvlink_latency_s
+                      + traffic.get("collectives_executed_across_hosts", 0) * speeds.network_latency_s)
     return {"compute_s": compute, "memory_s": memory, "communication_s": communication,
             "modeled_s": max(compute, memory) + communication}
 

@@ -82,6 +82,7 @@ def test_memory_traffic_counts_slices_and_in_place_updates():
     assert r["collective_bytes_executed_within_host"] == 128
     assert r["collective_bytes_executed_across_hosts"] == 128
     assert r["collectives_with_unknown_groups"] == 0
+    assert (r["collectives_executed_within_host"], r["collectives_executed_across_hosts"]) == (1, 1)
     # The same bytes as hlo.py's collective count (result shapes, async pair once).
     coll = analyze_hlo(MODULE)["collectives"]
     assert sum(c["bytes_executed"] for c in coll.values()) == 256

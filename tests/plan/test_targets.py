@@ -44,6 +44,9 @@ def test_modeled_time_is_max_of_compute_and_memory_plus_communication():
     assert t == pytest.approx({"compute_s": 2.0, "memory_s": 3.0, "communication_s": 2.1, "modeled_s": 5.1})
     entry["flops"]["flops_executed"] = 1480e12  # 10 s: compute-bound now
     assert targets.modeled_time(entry, speeds)["modeled_s"] == pytest.approx(12.1)
+    # Each collective executed also pays a fixed latency by link (10 / 30 us assumed).
+    entry["traffic"].update(collectives_executed_within_host=1000, collectives_executed_across_hosts=1000)
+    assert targets.modeled_time(entry, speeds)["communication_s"] == pytest.approx(2.1 + 0.01 + 0.03)
     # The DSA indexer's analytic FLOPs (data-dependent loops the HLO counts once) are compute too.
     entry["flops"]["indexer_flops_analytic"] = 296e12  # +2 s
     assert targets.modeled_time(entry, speeds)["compute_s"] == pytest.approx(12.0)
