@@ -49,7 +49,7 @@ def export_run(spec: RunSpec, workdir: str | os.PathLike, *, export_dir: str | o
     if not (workdir / "checkpoints").is_dir():
         raise ConfigError(f"export: {workdir} has no checkpoints/ (not a run directory, or no step committed)")
     inputs = resolve(spec, data=False)
-    ckpts = RunCheckpoints(workdir / "checkpoints")
+    ckpts = RunCheckpoints(workdir / "checkpoints", max_to_keep=spec.checkpoint.keep)
     steps = ckpts.all_steps()
     if not steps:
         raise ConfigError(f"export: {workdir / 'checkpoints'} holds no committed step")
