@@ -43,6 +43,10 @@ flags.DEFINE_string("export_dir", None, "export mode: output directory (default 
 flags.DEFINE_integer("export_step", None, "export mode: checkpoint step (default: the latest)")
 flags.DEFINE_integer("seq_len", 256, "forward mode: tokens per sequence", lower_bound=2)
 flags.DEFINE_bool("debug", False, "show tracebacks instead of one-line errors")
+flags.DEFINE_bool("allow_unfit", False, "plan mode: exit 0 even when a program does not fit the device memory "
+                  "(by default such a plan exits 1)")
+flags.DEFINE_bool("helpconfig", False, "print every config key with its value and meaning (from "
+                  "glm52_jax/run_defaults.py), then exit")
 flags.DEFINE_float("audit_replicated_mib", 0.0, "debugging: at every progress line, stop with an error listing any "
                    "live array of at least this many MiB that lives whole on every device of a multi-device mesh "
                    "(a cache or activation replicated by accident); 0 = off. Weights replicated on purpose "
@@ -171,6 +175,21 @@ def _plan(spec) -> dict:
         {"mesh": report["mesh"]["describe"], "target": spec.plan.target}
 
 
+def unfit_message(result: dict) -> str | None:
+    """Plan mode's one line when the largest program does not fit the device (None when it fits)."""
+    if result["fits"]:
+        return None
+
+    def size(n: float) -> str:
+        unit, scale = next(((u, s) for u, s in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)) if n >= s), ("bytes", 1))
+        return f"{n / scale:.1f} {unit}" if scale > 1 else f"{n:.0f} bytes"
+
+    largest, need, limit = result["largest_program"], size(result["largest_total_bytes"]), size(result["hbm_bytes"])
+    return (f"plan error: the largest program, {largest}, needs {need} per device of the {limit} it may use on "
+            f"{result['target']} ({result['mesh']}); change the mesh or settings, or pass --allow_unfit to accept "
+            "the plan")
+
+
 def _run_mode(spec, workdir: str | None) -> dict:
     command = [sys.executable, "-m", "glm52_jax.launch", *sys.argv[1:]]
     if FLAGS.mode == "forward":
@@ -219,6 +238,12 @@ def _one_line(error: BaseException) -> str | None:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if FLAGS.helpconfig:
+        from glm52_jax import config_help, run_defaults
+
+        print(config_help.format_help(FLAGS.config.to_dict(), run_defaults.get_config().to_dict(),
+                                      config_help.key_comments()))
+        return
     if FLAGS.verbosity <= 0:  # Orbax logs every file rename at INFO; keep the console to our progress lines
         logging.set_verbosity(logging.WARNING)
     from glm52_jax import workdir as workdir_lib
@@ -301,6 +326,8 @@ def main(argv):
             raise error
         sys.exit(message)
     print(json.dumps(outcome["result"]))
+    if FLAGS.mode == "plan" and not FLAGS.allow_unfit and (message := unfit_message(outcome["result"])):
+        sys.exit(message)
 
 
 def run():

@@ -28,9 +28,9 @@ from glm52_jax import choices
 
 EMBEDDED_POLICY = Path(__file__).resolve().parent / "assets" / "tiny_policy"
 SAVED_CONFIG = "config.json"
-# Keys a rerun on an existing workdir may change: how many transactions to run, and settings of
-# other modes (plan, parity) that a training run does not read. Everything else is the run itself.
-MAY_CHANGE = ("train.steps", "plan.", "parity.", "export.")
+# Keys a rerun on an existing workdir may change: how many transactions to run, how many checkpoints to keep,
+# and settings of other modes (plan, parity) that a training run does not read. Everything else is the run itself.
+MAY_CHANGE = ("train.steps", "checkpoint.keep", "plan.", "parity.", "export.")
 
 
 class ConfigError(ValueError):
@@ -250,6 +250,16 @@ class TrainSpec(_Section):
     loss_agg_mode: str = _rules(one_of(choices.LOSS_AGG_MODES))
 
 
+@dataclasses.dataclass(frozen=True)
+class RewardSpec(_Section):
+    boxed_fallback: bool = _rules()
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSpec(_Section):
+    keep: int = _rules(at_least(1, "the newest step checkpoint is what a rerun resumes from"))
+
+
 # Parity acceptance: per compared mode, "MODE: METRIC OP VALUE, ...". A gradient metric may name a LoRA family
 # ("unembed.rel_l2 <= 1e-5"); without one it is the global value over every family ("all").
 PARITY_METRICS = {"cosine": ">=", "rel_l2": "<=", "logprob_abs": "<=", "loss_abs": "<="}
@@ -356,7 +366,8 @@ class ExportSpec(_Section):
 
 
 _SECTIONS = {"model": ModelSpec, "data": DataSpec, "sampling": SamplingSpec, "search": SearchSpec,
-             "train": TrainSpec, "parity": ParitySpec, "plan": PlanSpec, "export": ExportSpec}
+             "reward": RewardSpec, "train": TrainSpec, "checkpoint": CheckpointSpec, "parity": ParitySpec,
+             "plan": PlanSpec, "export": ExportSpec}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,7 +381,9 @@ class RunSpec:
     data: DataSpec
     sampling: SamplingSpec
     search: SearchSpec
+    reward: RewardSpec
     train: TrainSpec
+    checkpoint: CheckpointSpec
     parity: ParitySpec
     plan: PlanSpec
     export: ExportSpec

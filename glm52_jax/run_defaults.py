@@ -80,6 +80,11 @@ def get_config() -> ml_collections.ConfigDict:
     # transaction's first row) is sampled and recorded in the receipt; 0 = off. Must be < data.prompt_tokens.
     c.search.probe_tokens = 0
 
+    c.reward = ml_collections.ConfigDict()  # the DAPO rule reward of every sample (rl/rewards/dapo.py: verl math_dapo)
+    # True: verl >= 0.9.1's rule, which scores the last \boxed{} (verbatim, in the last 100 characters) when no
+    # "Answer:" line parses. False: the rule before it (verl 0.5.0-0.9.0), which the seed's runs used.
+    c.reward.boxed_fallback = False
+
     c.train = ml_collections.ConfigDict()
     c.train.steps = 1  # transactions; each commits a receipt, then an Orbax checkpoint (resumable)
     c.train.gradient_mode = "response_only"  # conventional | response_only (seed's) | shared_prefix (exact)
@@ -89,6 +94,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.clip_ratio_low = 0.2  # PPO ratio clip below 1, in (0, 1)
     c.train.clip_ratio_high = 0.28  # PPO ratio clip above 1 (DAPO clip-higher), in (0, 1)
     c.train.loss_agg_mode = "token-mean"  # verl loss aggregation (token-mean, seq-mean-token-sum, ...)
+
+    c.checkpoint = ml_collections.ConfigDict()  # Orbax checkpoints of a train run (WORKDIR/checkpoints)
+    c.checkpoint.keep = 3  # newest step checkpoints kept, >= 1 (older ones are deleted; their receipts stay)
 
     c.parity = ml_collections.ConfigDict()  # --mode=parity: gradient modes compared on one rollout group
     c.parity.modes = choices.GRADIENT_MODES  # modes to run

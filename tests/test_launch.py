@@ -1,11 +1,13 @@
 """Launcher command lines that cannot run: one line naming the flag, in seconds, nothing written."""
 
+import json
 import subprocess
 import sys
 import time
 
 import pytest
 
+from glm52_jax.launch import unfit_message
 from glm52_jax.run_config import save_spec
 from tests.run_helpers import ROOT, config_spec
 
@@ -59,8 +61,8 @@ def test_rerun_with_changed_settings_lists_the_keys(tmp_path):
     assert done.returncode == 1 and seconds < 30, done.stderr
     assert done.stderr.strip().splitlines() == [
         f"config error: {workdir} was run with other settings (train.learning_rate: saved 0.0001, now 0.5). Only "
-        "train.steps, plan.*, parity.*, export.* may change on a rerun; drop those flags to reuse the saved config, "
-        "or use a fresh --workdir"]
+        "train.steps, checkpoint.keep, plan.*, parity.*, export.* may change on a rerun; drop those flags to reuse the "
+        "saved config, or use a fresh --workdir"]
     done, _ = _launch(f"--workdir={workdir}", "--config=configs/2m.py")  # another config file, given explicitly
     assert done.returncode == 1 and "model.checkpoint: saved embedded, now /ckpt/GLM-5.2" in done.stderr
     assert sorted(p.name for p in workdir.iterdir()) == before
@@ -70,3 +72,52 @@ def test_export_needs_a_workdir():
     done, _ = _launch("--mode=export")
     assert done.returncode == 1 and done.stderr.strip().splitlines() == [
         "config error: --mode=export needs --workdir (the run to export)"]
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_plan_that_does_not_fit_exits_1_unless_allowed(tmp_path, allow):
+    """`--mode=plan` judged against a device smaller than the program: the JSON summary, then one line naming the
+    largest program and the flag (exit 1); `--allow_unfit` exits 0 with the same summary."""
+    done, _ = _launch("--mode=plan", f"--workdir={tmp_path}", "--config.plan.programs=('prefill',)",
+                      "--config.plan.hbm_gib=1e-6", "--config.data.prompt_tokens=96", "--config.sampling.chunk_size=32",
+                      "--config.sampling.max_new_tokens=8", *(["--allow_unfit"] if allow else []), timeout=300)
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["fits"] is False and summary["largest_program"] == "prefill", done.stdout
+    assert json.loads((tmp_path / "plan.json").read_text())["fits"] is False
+    last = done.stderr.strip().splitlines()[-1]
+    if allow:
+        assert done.returncode == 0 and "plan error" not in done.stderr, done.stderr[-2000:]
+    else:
+        assert done.returncode == 1 and last == unfit_message(summary), done.stderr[-2000:]
+        assert last.startswith("plan error: the largest program, prefill, needs ") and last.endswith(
+            " MB per device of the 1.1 KB it may use on cpu (DP1/TP1/CP1/EP1/PP1); change the mesh or settings, or "
+            "pass --allow_unfit to accept the plan")
+
+
+def test_unfit_message_sizes():
+    assert unfit_message({"fits": True}) is None
+    assert unfit_message({"fits": False, "largest_program": "train", "largest_total_bytes": 101.5e9,
+                          "hbm_bytes": 0.9 * 96 * 2**30, "target": "h20", "mesh": "DP1/TP1/CP32/EP32/PP1"}) == (
+        "plan error: the largest program, train, needs 101.5 GB per device of the 92.8 GB it may use on h20 "
+        "(DP1/TP1/CP32/EP32/PP1); change the mesh or settings, or pass --allow_unfit to accept the plan")
+
+
+def test_helpconfig_lists_every_key_with_its_value_and_meaning():
+    """Every key of run_defaults.get_config() with its value and its comment from run_defaults.py, and, for a
+    config that overrides it, the default beside the config's value; exit 0 without starting anything."""
+    from glm52_jax import config_help, run_defaults
+    from glm52_jax.run_config import flatten
+
+    defaults = flatten(run_defaults.get_config().to_dict())
+    comments = config_help.key_comments()
+    done, seconds = _launch("--helpconfig")
+    assert done.returncode == 0 and seconds < 30, done.stderr
+    lines = done.stdout.splitlines()
+    for key, value in defaults.items():
+        at = lines.index(f"{key} = {value!r}") + 1
+        end = next(i for i in range(at, len(lines) + 1) if i == len(lines) or not lines[i].startswith("    "))
+        assert " ".join(line.strip() for line in lines[at:end]) == comments[key], key
+    done, _ = _launch("--helpconfig", "--config=configs/2m.py", "--config.checkpoint.keep=5")
+    assert done.returncode == 0, done.stderr
+    assert "checkpoint.keep = 5  (default 3)" in done.stdout.splitlines()
+    assert "model.dtype = 'bfloat16'  (default 'float32')" in done.stdout.splitlines()

@@ -129,12 +129,31 @@ def test_the_spec_and_the_launcher_start_without_jax():
     ("sampling.samples_per_request", -1, "--config.sampling.samples_per_request=-1: must be >= 0 (0 = num_samples)"),
     ("model.init_adapter", 3, "--config.model.init_adapter=3: must be a string"),
     ("model.weight_sharding", "zero3", "--config.model.weight_sharding=zero3: must be one of fsdp, replicated"),
+    ("reward.boxed_fallback", "yes", "--config.reward.boxed_fallback=yes: must be True or False"),
+    ("checkpoint.keep", 0, "--config.checkpoint.keep=0: must be >= 1 (the newest step checkpoint is what a rerun "
+                           "resumes from)"),
+    ("checkpoint.keep", 2.0, "--config.checkpoint.keep=2.0: must be an integer"),
 ])
 def test_bad_values_name_their_flag(key, value, message):
     with pytest.raises(ConfigError) as info:
         config_spec("tiny", **{key: value})
     assert str(info.value).startswith(message) or message in str(info.value), str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_reward_and_checkpoint_keys():
+    """reward.boxed_fallback (off: the seed's rule) is part of the run: a resume must share it; checkpoint.keep
+    (3) may change on a rerun, as it does not change what a step computes."""
+    spec = config_spec("tiny")
+    assert (spec.reward.boxed_fallback, spec.checkpoint.keep) == (False, 3)
+    assert (config_spec("2m").reward.boxed_fallback, config_spec("2m").checkpoint.keep) == (False, 3)
+    fallback = spec.replace(**{"reward.boxed_fallback": True})
+    assert fallback.reward.boxed_fallback is True and fallback.resume_sha256() != spec.resume_sha256()
+    keep = spec.replace(**{"checkpoint.keep": 1})
+    assert keep.checkpoint.keep == 1 and keep.resume_sha256() == spec.resume_sha256() != keep.config_sha256()
+    check_rerun(spec, keep, "/tmp/run")
+    with pytest.raises(ConfigError, match=r"reward\.boxed_fallback: saved False, now True"):
+        check_rerun(spec, fallback, "/tmp/run")
 
 
 def test_unknown_and_missing_keys():

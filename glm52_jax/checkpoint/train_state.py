@@ -60,6 +60,8 @@ class RunCheckpoints:
     """Save / restore `RunState` + adapters + optimizer under `directory` (one Orbax step per transaction)."""
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3):
+        """`max_to_keep`: newest steps kept, older ones deleted as new ones are saved (the run's `checkpoint.keep`);
+        None keeps every step."""
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
                                                enable_async_checkpointing=False)

@@ -2,9 +2,11 @@
 
     python -m glm52_jax.evidence verify RECEIPT [--json]   # exit 0 valid, 1 failures, 2 usage
     python -m glm52_jax.evidence verify --recompute-rewards RECEIPT   # also re-score every stored reward
+    python -m glm52_jax.evidence verify WORKDIR            # every committed receipt of a run
     python -m glm52_jax.evidence show RECEIPT              # short summary (does not verify)
 
-RECEIPT is a receipt.json or the run directory holding it.
+RECEIPT is a receipt.json or the directory holding it; WORKDIR a run's workdir or its evidence/
+directory (every step's receipt and the named receipts, `evidence.run_dir`).
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from glm52_jax.evidence.receipt import (
     verify,
 )
 from glm52_jax.evidence.rewards_check import recompute_rewards
+from glm52_jax.evidence.run_dir import find_receipts
 
 
-def _verify(path: Path, as_json: bool, recompute: bool) -> int:
+def _check(path: Path, recompute: bool) -> dict[str, Any]:
+    """One receipt's verification record: ok, failures, artifacts, manifest sha256 (and rewards recomputed)."""
     failures = verify(path)
     rewards = None
     if recompute:  # also when a hash fails: every difference is worth naming
@@ -36,20 +40,48 @@ def _verify(path: Path, as_json: bool, recompute: bool) -> int:
     if not failures:
         receipt = load_receipt(path)
         manifest, manifest_sha = receipt["manifest"], receipt["manifest_sha256"]
+    record = {"ok": not failures, "receipt": str(path), "failures": failures,
+              "artifacts": None if manifest is None else len(manifest), "manifest_sha256": manifest_sha}
+    if recompute:
+        record["rewards_recomputed"] = rewards
+    return record
+
+
+def _lines(record: dict[str, Any]) -> list[str]:
+    if record["failures"]:
+        return list(record["failures"])
+    lines = [f"OK {record['artifacts']} artifacts, manifest {record['manifest_sha256']}"]
+    if "rewards_recomputed" in record:
+        lines.append(f"OK {record['rewards_recomputed']} rewards recomputed with the DAPO rule, all equal to the "
+                     "stored ones")
+    return lines
+
+
+def _verify(path: Path, as_json: bool, recompute: bool) -> int:
+    found = find_receipts(path)
+    records = [_check(p, recompute) for p in found.receipts]
+    if found.single:
+        record = records[0]
+        print(json.dumps(record) if as_json else "\n".join(_lines(record)))
+        return 0 if record["ok"] else 1
+    # A run: every receipt, each line prefixed with the receipt's path in the run; then the tally.
+    ok = sum(r["ok"] for r in records)
+    failed = len(records) - ok
+    unverified = [(d.relative_to(path).as_posix(), why) for d, why in found.unverified]
     if as_json:
-        record = {"ok": not failures, "receipt": str(path), "failures": failures,
-                  "artifacts": None if manifest is None else len(manifest), "manifest_sha256": manifest_sha}
-        if recompute:
-            record["rewards_recomputed"] = rewards
-        print(json.dumps(record))
-    elif failures:
-        for failure in failures:
-            print(failure)
+        print(json.dumps({"ok": bool(records) and not failed, "run": str(path), "receipts": records,
+                          "not_verified": [{"path": d, "why": why} for d, why in unverified]}))
     else:
-        print(f"OK {len(manifest)} artifacts, manifest {manifest_sha}")
-        if recompute:
-            print(f"OK {rewards} rewards recomputed with the DAPO rule, all equal to the stored ones")
-    return 1 if failures else 0
+        for record in records:
+            name = Path(record["receipt"]).relative_to(path).as_posix()
+            print("\n".join(f"{name}: {line}" for line in _lines(record)))
+        for d, why in unverified:
+            print(f"{d}: not verified ({why})")
+        if not records:
+            print(f"FAILED: no receipt under {path} (a receipt.json, its directory, or a run's workdir)")
+        else:
+            print(f"{'OK' if not failed else 'FAILED'}: {ok} of {len(records)} receipts verified")
+    return 0 if records and not failed else 1
 
 
 def summary_lines(receipt: dict[str, Any]) -> list[str]:
@@ -81,17 +113,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m glm52_jax.evidence", description="Evidence receipt tools.")
     sub = parser.add_subparsers(dest="command", required=True)
     p_verify = sub.add_parser("verify", help="recompute all hashes; exit 1 naming each failure")
-    p_verify.add_argument("receipt", help="receipt.json or its run directory")
+    p_verify.add_argument("receipt", help="receipt.json, its directory, or a run's workdir (every committed receipt)")
     p_verify.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p_verify.add_argument("--recompute-rewards", action="store_true",
                           help="also recompute every stored reward from its stored text and ground truth (DAPO rule)")
     p_show = sub.add_parser("show", help="print a short summary of a receipt")
-    p_show.add_argument("receipt", help="receipt.json or its run directory")
+    p_show.add_argument("receipt", help="receipt.json or its directory")
     args = parser.parse_args(argv)
 
-    path = receipt_file(args.receipt)
     if args.command == "verify":
-        return _verify(path, args.json, args.recompute_rewards)
+        return _verify(Path(args.receipt), args.json, args.recompute_rewards)
+    path = receipt_file(args.receipt)
     try:
         receipt = load_receipt(path)
     except EvidenceError as e:

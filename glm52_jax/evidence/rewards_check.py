@@ -6,9 +6,10 @@ The hashes bind the files to the receipt, but a forger who edits a reward can re
 artifact sha256, manifest_sha256, receipt_sha256). This check does not trust the stored numbers:
 each artifact of kind "rewards" (a transaction's `rewards.json`, a parity run's `candidates.json`:
 one record per candidate with "texts", "ground_truth", "rewards", "preds") is re-scored with the
-project's DAPO rule (`rl.rewards.dapo.compute_score`, default Minerva mode, as the run scores),
-and compared with the stored rewards and predictions, with the receipt's "rewards" section, and
-with the raw sampler texts of `samples.jsonl` when the receipt has one.
+project's DAPO rule (`rl.rewards.dapo.compute_score`, default Minerva mode, as the run scores, with the
+`boxed_fallback` setting of the receipt's "reward_rule" section; a receipt from before that section
+was scored without the fallback), and compared with the stored rewards and predictions, with the
+receipt's "rewards" section, and with the raw sampler texts of `samples.jsonl` when the receipt has one.
 
 The reward module is imported when the check runs; it needs only the standard library, so the
 evidence package still starts without JAX or numpy.
@@ -25,6 +26,7 @@ from glm52_jax.evidence.receipt import EvidenceError, load_receipt, receipt_file
 
 REWARDS_KIND = "rewards"
 SAMPLES_KIND = "samples"
+RULE_SECTION = "reward_rule"
 _CANDIDATE_KEYS = ("candidate", "texts", "ground_truth", "rewards", "preds")
 
 
@@ -53,7 +55,18 @@ def _candidate_problem(cd: Any) -> str | None:
     return None
 
 
-def recompute_candidates(path: str, candidates: Any) -> tuple[list[str], int]:
+def boxed_fallback_of(receipt: Mapping[str, Any]) -> bool | str:
+    """The `boxed_fallback` setting the receipt's samples were scored with, or why it cannot be read.
+    No "reward_rule" section: False (the receipts written before the setting existed)."""
+    rule = receipt.get(RULE_SECTION)
+    if rule is None:
+        return False
+    if not isinstance(rule, dict) or not isinstance(rule.get("boxed_fallback"), bool):
+        return f"receipt section {RULE_SECTION!r} must be an object with a true/false 'boxed_fallback', got {rule!r}"
+    return rule["boxed_fallback"]
+
+
+def recompute_candidates(path: str, candidates: Any, *, boxed_fallback: bool = False) -> tuple[list[str], int]:
     """(a line per difference, rewards recomputed) for one rewards artifact's candidate records."""
     from glm52_jax.rl.rewards.dapo import compute_score
 
@@ -66,7 +79,7 @@ def recompute_candidates(path: str, candidates: Any) -> tuple[list[str], int]:
             failures.append(f"{path}: record {i} is malformed: {problem}")
             continue
         for j, text in enumerate(cd["texts"]):
-            score = compute_score(text, cd["ground_truth"])
+            score = compute_score(text, cd["ground_truth"], boxed_fallback=boxed_fallback)
             count += 1
             where = f"{path}: candidate {cd['candidate']} sample {j}"
             if cd["rewards"][j] != score["score"]:
@@ -124,6 +137,9 @@ def recompute_rewards(receipt_path: str | Path) -> tuple[list[str], int]:
     paths = _artifacts(receipt, REWARDS_KIND)
     if not paths:
         return [f"{receipt_path}: no artifact of kind {REWARDS_KIND!r} to recompute"], 0
+    boxed_fallback = boxed_fallback_of(receipt)
+    if isinstance(boxed_fallback, str):
+        return [f"{receipt_path}: {boxed_fallback}"], 0
     sample_texts, failures = _sample_texts(run_dir, _artifacts(receipt, SAMPLES_KIND))
     total = 0
     for path in paths:
@@ -132,7 +148,7 @@ def recompute_rewards(receipt_path: str | Path) -> tuple[list[str], int]:
         except EvidenceError as e:
             failures.append(str(e))
             continue
-        lines, count = recompute_candidates(path, candidates)
+        lines, count = recompute_candidates(path, candidates, boxed_fallback=boxed_fallback)
         failures += lines
         total += count
         if isinstance(candidates, list):

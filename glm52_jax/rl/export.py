@@ -6,7 +6,10 @@ writes DIR (default RUN/export/step_<k>) with
     peft/     adapter_model.safetensors + adapter_config.json (loads with peft onto HF GLM-MoE-DSA)
     merged/   config.json + safetensors of the base with the adapters merged (HF transformers loads it);
               config.json has the base checkpoint's native positions unless `export.keep_rope_scaling`
-              (a run's YaRN payload is a run-time override, as in the seed, not part of the model)
+              (a run's YaRN payload is a run-time override, as in the seed, not part of the model);
+              the run's tokenizer.json and, where the run found its chat template, that directory's
+              chat_template.jinja / tokenizer_config.json, so `python -m glm52_jax.generate --checkpoint
+              DIR/merged --prompt ...` runs on it
     export.json  step, base model, config hash, files with sha256
 
 The run's settings come from RUN/config.json (saved when the run started), because the base model
@@ -49,7 +52,7 @@ def export_run(spec: RunSpec, workdir: str | os.PathLike, *, export_dir: str | o
     if not (workdir / "checkpoints").is_dir():
         raise ConfigError(f"export: {workdir} has no checkpoints/ (not a run directory, or no step committed)")
     inputs = resolve(spec, data=False)
-    ckpts = RunCheckpoints(workdir / "checkpoints")
+    ckpts = RunCheckpoints(workdir / "checkpoints", max_to_keep=spec.checkpoint.keep)
     steps = ckpts.all_steps()
     if not steps:
         raise ConfigError(f"export: {workdir / 'checkpoints'} holds no committed step")
@@ -109,11 +112,35 @@ def _write(model, staging: Path | None, spec: RunSpec, inputs, positions: str, m
     if merged:
         written_cfg = model.cfg if positions == "run" else native_model_config(spec.model)[0]
         save_pretrained(model, target / "merged", config=written_cfg, merge_adapters=True, write=write)
+        if write:
+            for name, source in tokenizer_files(spec.model).items():
+                shutil.copyfile(source, target / "merged" / name)
     if not write:
         return []
     files = sorted(p for p in staging.rglob("*") if p.is_file())
     return [{"path": p.relative_to(staging).as_posix(), "bytes": p.stat().st_size, "sha256": sha256_file(p)}
             for p in files]
+
+
+def tokenizer_files(model_spec) -> dict[str, Path]:
+    """{file name in merged/: source} of the run's tokenizer and chat template (`rl.inputs.tokenizer_for`,
+    `chat_template_for`): its tokenizer file as tokenizer.json, and the template files of the first directory
+    that ships a template (the tokenizer's, then the checkpoint's). The embedded policy's: the project's tiny
+    tokenizer.json, no template (generate then uses the hand-written GLM layout, as the run did)."""
+    from glm52_jax.rl.inputs import tokenizer_for
+    from glm52_jax.rollout.chat_template import TEMPLATE_FILE, TOKENIZER_CONFIG, find_chat_template
+
+    files = {"tokenizer.json": Path(tokenizer_for(model_spec).path)}
+    places = [Path(model_spec.tokenizer)] if model_spec.tokenizer else []
+    places = [p if p.is_dir() else p.parent for p in places]
+    if model_spec.checkpoint_path is not None and model_spec.checkpoint_path.is_dir():
+        places.append(model_spec.checkpoint_path)
+    for directory in places:
+        if find_chat_template(directory) is not None:
+            files.update({name: directory / name for name in (TEMPLATE_FILE, TOKENIZER_CONFIG)
+                          if (directory / name).is_file()})
+            break
+    return files
 
 
 def _restore_adapters(directory: Path, step: int, model) -> None:

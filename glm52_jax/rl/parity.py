@@ -31,6 +31,7 @@ import numpy as np
 from glm52_jax.rl import parity_cases, parity_metrics, processes, settings
 from glm52_jax.rl.inputs import resolve
 from glm52_jax.rl.policy import build_policy, train_mesh
+from glm52_jax.rl.rewards.dapo import reward_rule
 from glm52_jax.rl.search import candidate_seeds, response_batch, search_group
 from glm52_jax.run_config import ConfigError, RunSpec, parse_bound
 
@@ -209,6 +210,7 @@ def _parity(inputs, model, optimizer, writer, artifacts: Path, mesh_spec, log) -
                     "prompt_tokens": len(prompt), "response_tokens": int(mask.sum()),
                     "num_samples": spec.sampling.num_samples, "group_samples": accepted.samples,
                     "advantages": np.asarray(advantages).tolist(), "cases": parity_cases.describe_cases()},
+        "reward_rule": reward_rule(spec.reward.boxed_fallback),
         "config": {"name": spec.name, "sha256": spec.config_sha256()},
         "model": {"checkpoint": spec.model.base_name, "dtype": spec.model.dtype},
         "topology": {"mesh": mesh_spec.describe(), "mesh_devices": mesh_spec.size, "processes": processes.count()},

@@ -102,7 +102,7 @@ def _run(inputs: RunInputs, workdir: Path, mesh_spec, mesh, log) -> dict[str, An
 
     spec = inputs.spec
     expect = {"config_sha256": spec.resume_sha256(), "base": spec.model.base_name}
-    ckpts = RunCheckpoints(workdir / "checkpoints")
+    ckpts = RunCheckpoints(workdir / "checkpoints", max_to_keep=spec.checkpoint.keep)
     latest = ckpts.latest_step() or 0
     if latest:
         ckpts.check_meta(latest, expect)  # another run's checkpoints: refuse before building anything

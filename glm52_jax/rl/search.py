@@ -103,7 +103,7 @@ def search_group(inputs: RunInputs, cursor: int, seeds: list[int], sampler, *, s
         records = request_records(REQUEST_CANDIDATE, i, row.index, prompt, seeds[i], res, texts)
         if samples is not None:
             samples += records
-        scores = [compute_score(text, row.ground_truth) for text in texts]
+        scores = [compute_score(text, row.ground_truth, boxed_fallback=spec.reward.boxed_fallback) for text in texts]
         rewards = [float(sc["score"]) for sc in scores]
         # Several processes: the same tokens and rewards everywhere before the rewards steer the search.
         processes.check_same_samples(f"step {step} candidate {i}", jsonl_bytes(records), rewards)

@@ -25,6 +25,7 @@ from glm52_jax.evidence.hashing import sha256_bytes, state_bytes
 from glm52_jax.evidence.receipt import ARTIFACTS_DIR
 from glm52_jax.rl import decode_audit, processes
 from glm52_jax.rl.inputs import RunInputs
+from glm52_jax.rl.rewards.dapo import reward_rule
 from glm52_jax.rl.samples import REQUEST_CANDIDATE, jsonl_bytes
 from glm52_jax.rl.search import Accepted, candidate_seeds, engine_probe, probe_seed, response_batch, search_group
 from glm52_jax.rl.settings import loss_settings
@@ -160,6 +161,7 @@ def receipt_fields(inputs: RunInputs, cfg, *, step: int, cursor: int, candidates
         "completions": [{"candidate": cd["candidate"], "texts": cd["texts"], "lengths": cd["lengths"],
                          "finish_reasons": cd["finish_reasons"]} for cd in candidates],
         "rewards": [cd["rewards"] for cd in candidates],
+        "reward_rule": reward_rule(spec.reward.boxed_fallback),
         "decode_audit": decode_audit.audit(r for r in samples if r["request"] == REQUEST_CANDIDATE),
         **probe_sections,
         "training": training,

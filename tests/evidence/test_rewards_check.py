@@ -104,3 +104,32 @@ def test_cli_flag_text_and_json(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert not out["ok"] and out["rewards_recomputed"] == 4 and out["failures"] == [
         "artifacts/rewards.json: candidate 0 sample 0: stored reward -1.0, recomputed 1.0 (pred '4', ground truth '4')"]
+
+
+def test_recomputation_uses_the_recorded_boxed_fallback(tmp_path):
+    """A receipt's "reward_rule" section sets the rule the rewards are recomputed with: box-only answers score
+    +1 / -1 under boxed_fallback=True and are "[INVALID]" without it; a malformed section is one line."""
+    from glm52_jax.rl.rewards.dapo import reward_rule
+
+    texts = [["so \\boxed{4}", "so \\boxed{5}"]]
+    scored = [{"candidate": 0, "row": 3, "ground_truth": "4", "texts": texts[0], "rewards": [1.0, -1.0],
+               "preds": ["4", "5"]}]
+    samples = [{"request": "candidate", "candidate": 0, "sample": j, "text": t} for j, t in enumerate(texts[0])]
+
+    def write(run: Path, rule) -> Path:
+        w = EvidenceWriter(run, provenance=PROVENANCE)
+        w.add_json("rewards.json", scored, kind="rewards")
+        w.add_bytes("samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples).encode(), kind="samples")
+        return w.commit({"rewards": [scored[0]["rewards"]], **({} if rule is None else {"reward_rule": rule})})
+
+    assert recompute_rewards(write(tmp_path / "on", reward_rule(True))) == ([], 2)
+    failures, n = recompute_rewards(write(tmp_path / "off", reward_rule(False)))
+    assert n == 2 and failures == [
+        "artifacts/rewards.json: candidate 0 sample 0: stored reward 1.0, recomputed -1.0 (pred '[INVALID]', "
+        "ground truth '4')",
+        "artifacts/rewards.json: candidate 0 sample 0: stored pred '4', recomputed '[INVALID]'",
+        "artifacts/rewards.json: candidate 0 sample 1: stored pred '5', recomputed '[INVALID]'"]
+    assert recompute_rewards(write(tmp_path / "old", None))[0] == failures  # no section: the seed's rule
+    bad = write(tmp_path / "bad", {"boxed_fallback": "yes"})
+    assert recompute_rewards(bad) == ([f"{bad}: receipt section 'reward_rule' must be an object with a true/false "
+                                       "'boxed_fallback', got {'boxed_fallback': 'yes'}"], 0)

@@ -3,6 +3,8 @@
 Expected values were worked out by hand from the reference behaviour (and cross-checked against it).
 """
 
+import os
+
 import pytest
 
 from glm52_jax.rl.rewards import dapo
@@ -413,29 +415,117 @@ def test_non_str_inputs_raise_type_error(call):
         call()
 
 
+# ---------------------------------------------------------------- boxed_fallback (verl 0.9.1's rule)
+
+INVALID = "[INVALID]"
+# (id, solution, ground_truth, pause_tokens_index, (score, pred) without the fallback, (score, pred) with it).
+FALLBACK_CASES = [
+    ("box_only", "so \\boxed{7}", "7", None, (-1.0, INVALID), (1.0, "7")),
+    ("box_only_wrong", "so \\boxed{8}", "7", None, (-1.0, INVALID), (-1.0, "8")),
+    ("final_answer_box", "The final answer is $\\boxed{42}$.", "42", None, (-1.0, INVALID), (1.0, "42")),
+    ("no_answer_no_box", "no answer here", "7", None, (-1.0, INVALID), (-1.0, INVALID)),
+    ("answer_line_wins", "Answer: 7\n\\boxed{8}", "7", None, (1.0, "7"), (1.0, "7")),
+    ("wrong_answer_line_wins", "Answer: 6\n\\boxed{7}", "7", None, (-1.0, "6"), (-1.0, "6")),
+    ("answer_box_next_line", "Answer:\n\\boxed{7}", "7", None, (1.0, "7"), (1.0, "7")),
+    # The fallback tests the normalised prediction: a literal "[INVALID]" answer gives way to the box too.
+    ("literal_invalid_answer", "Answer: [INVALID]\n\\boxed{7}", "7", None, (-1.0, INVALID), (1.0, "7")),
+    ("invalid_gt_no_box", "nothing", INVALID, None, (1.0, INVALID), (1.0, INVALID)),
+    ("box_verbatim_spaces", "\\boxed{ 7 }", "7", None, (-1.0, INVALID), (-1.0, " 7 ")),
+    ("box_not_normalised", "\\boxed{\\frac12}", HALF, None, (-1.0, INVALID), (-1.0, "\\frac12")),
+    ("gt_box_not_extracted", "\\boxed{7}", "\\boxed{7}", None, (-1.0, INVALID), (-1.0, "7")),
+    ("unclosed_box", "so \\boxed{7", "7", None, (-1.0, INVALID), (-1.0, INVALID)),
+    ("empty_box_empty_gt", "\\boxed{}", "", None, (-1.0, INVALID), (1.0, "")),
+    ("box_before_last_100", "\\boxed{7}" + "x" * 100, "7", None, (-1.0, INVALID), (-1.0, INVALID)),
+    ("box_in_300_tail", "y" * 500 + "\\boxed{7}", "7", None, (-1.0, INVALID), (1.0, "7")),
+    ("pause_window_whole", "\\boxed{7}" + "y" * 150, "7", [0, 0, 0, 100], (-1.0, INVALID), (1.0, "7")),
+    ("pause_window_cuts_box", "\\boxed{7}" + "y" * 150, "7", [0, 0, 0, 101], (-1.0, INVALID), (-1.0, INVALID)),
+]
+
+
+STRICT_CASES_INPUTS = [(c[1], c[2], None) for c in STRICT_CASES]  # (solution, ground truth, pause index)
+
+
+@pytest.mark.parametrize("solution, gt, pause, off, on", [c[1:] for c in FALLBACK_CASES],
+                         ids=[c[0] for c in FALLBACK_CASES])
+def test_boxed_fallback_table(solution, gt, pause, off, on):
+    _check(compute_score(solution, gt, False, pause), *off)  # the default is the seed's rule
+    _check(compute_score(solution, gt, False, pause, boxed_fallback=False), *off)
+    _check(compute_score(solution, gt, False, pause, boxed_fallback=True), *on)
+
+
+def test_boxed_fallback_leaves_strict_mode_and_checks_pause_only_when_used():
+    for sol, gt, _ in STRICT_CASES_INPUTS:
+        assert compute_score(sol, gt, True, boxed_fallback=True) == compute_score(sol, gt, True)
+    _check(compute_score("Answer: 7", "7", False, [1], boxed_fallback=True), 1.0, "7")  # no fallback: not read
+    with pytest.raises(ValueError, match="4 entries"):
+        compute_score("\\boxed{7}", "7", False, [1], boxed_fallback=True)
+
+
+def test_reward_rule_record():
+    assert dapo.reward_rule(True) == {"name": "dapo", "reference": dapo.RULE_REFERENCE, "boxed_fallback": True}
+    assert dapo.reward_rule(False)["boxed_fallback"] is False
+
+
 # ---------------------------------------------------------------- against verl's own module
 
 
-def _verl_reference():
+def _verl_references():
+    """verl's math_dapo modules to compare with: each path of $GLM52_VERL_MATH_DAPO (os.pathsep-separated,
+    e.g. the 0.9.0 and 0.9.1 wheels), else an installed verl; skips when there is none."""
     from benchmarks import reward_vs_verl
 
+    paths = [p for p in os.environ.get(reward_vs_verl.ENV_VAR, "").split(os.pathsep) if p] or [None]
     try:
-        return reward_vs_verl.load_reference()
+        return [reward_vs_verl.load_reference(p) for p in paths]
     except reward_vs_verl.ReferenceUnavailable as e:
         pytest.skip(f"verl's math_dapo.py is not in this environment ({e}); the 400k-input comparison is "
                     "`python -m benchmarks.reward_vs_verl --verl WHEEL`")
 
 
 def test_matches_verl_math_dapo_on_random_inputs():
-    """A small run of `benchmarks/reward_vs_verl.py` when verl's module is at hand ($GLM52_VERL_MATH_DAPO
-    or an installed verl): every seeded input scores the same in both modes, and the normaliser agrees;
-    with verl >= 0.9.1 the only differences are its `\\boxed{}` fallback."""
+    """A small run of `benchmarks/reward_vs_verl.py` (the seed's rule, boxed_fallback=False) per reference:
+    every seeded input scores the same in both modes, and the normaliser agrees; with verl >= 0.9.1 the only
+    differences are its `\\boxed{}` fallback."""
     from benchmarks import reward_vs_verl
 
-    res = reward_vs_verl.compare(_verl_reference(), n=3000, seed=1)
-    assert res["unexplained_mismatches"] == 0, res["examples"]
-    if not res["reference"]["has_boxed_fallback"]:
-        assert all(s["mismatches"] == 0 for s in res["modes"].values()), res["modes"]
+    for reference in _verl_references():
+        res = reward_vs_verl.compare(reference, n=3000, seed=1)
+        assert res["unexplained_mismatches"] == 0, res["examples"]
+        if not res["reference"]["has_boxed_fallback"]:
+            assert all(s["mismatches"] == 0 for s in res["modes"].values()), res["modes"]
+
+
+def _outcome(fn, *args, **kwargs):
+    try:
+        result = fn(*args, **kwargs)
+    except (AssertionError, ValueError, TypeError, AttributeError):  # both sides must fail on the same inputs
+        return "raised"
+    return result
+
+
+def test_both_settings_match_verl_on_the_corpus():
+    """Default mode on the tables above plus 3,000 seeded inputs, score, acc and pred (with types) equal to verl's
+    own code: boxed_fallback=True against verl >= 0.9.1's compute_score, and boxed_fallback=False against verl
+    <= 0.9.0's compute_score or, in 0.9.1, against its `is_correct_minerva` (the rule before the fallback)."""
+    from benchmarks import reward_vs_verl
+
+    corpus = [(c[1], c[2], None) for c in MINERVA_CASES] + STRICT_CASES_INPUTS
+    corpus += [(c[1], c[2], c[3]) for c in FALLBACK_CASES]
+    corpus += [(sol, gt, pause) for sol, gt, pause, _ in reward_vs_verl.cases(3000, seed=2)]
+    for reference in _verl_references():
+        fallback = reward_vs_verl.has_boxed_fallback(reference)
+        compared = 0
+        for sol, gt, pause in corpus:
+            ours = _outcome(compute_score, sol, gt, False, pause, boxed_fallback=fallback)
+            theirs = _outcome(reference.compute_score, sol, gt, False, pause)
+            assert ours == theirs and (ours == "raised" or type(ours["acc"]) is type(theirs["acc"])), \
+                (reference.SOURCE, sol, gt, pause, ours, theirs)
+            if fallback:  # the other setting, against the same module's pre-fallback rule
+                correct, pred = reference.is_correct_minerva(sol[-dapo.SOLUTION_TAIL_CHARS:], gt)
+                ours = compute_score(sol, gt, False, pause, boxed_fallback=False)
+                assert (ours["acc"], ours["pred"]) == (correct, pred), (reference.SOURCE, sol, gt, ours)
+            compared += 1
+        assert compared == len(corpus) > 3100
 
 
 def test_random_inputs_are_seeded_and_reach_every_outcome():

@@ -20,7 +20,7 @@ import pytest
 from glm52_jax.evidence import deterministic_view, verify
 from glm52_jax.rl.inputs import resolve
 from glm52_jax.rl.run import prefill_progress, run_online
-from glm52_jax.rollout.tokenizer import ChatTemplate
+from glm52_jax.rollout.tokenizer import ChatTemplate, default_tokenizer_path
 from glm52_jax.run_config import EMBEDDED_POLICY, ConfigError
 from tests.run_helpers import ROOT, config_spec, readme_commands
 
@@ -236,7 +236,12 @@ def test_embedded_policy_ships_with_the_package():
 
 
 def test_cli_receipt_verifies_with_the_evidence_cli(runs):
-    assert runs["verify"].stdout.startswith("OK"), runs["verify"].stdout + runs["verify"].stderr
+    """The README's `verify WORKDIR`: every committed step's receipt, the killed step's set-aside evidence named."""
+    lines = runs["verify"].stdout.splitlines()
+    assert [line.partition(": ")[0] for line in lines[:3]] == [f"evidence/step_{k:06d}/receipt.json" for k in (1, 2, 3)]
+    assert all(line.partition(": ")[2].startswith("OK ") for line in lines[:3]), lines
+    assert lines[3:] == ["evidence/step_000002.uncommitted-1: not verified (not a committed step)",
+                         "OK: 3 of 3 receipts verified"], lines
 
 
 def test_export_from_the_saved_settings(runs):
@@ -258,7 +263,10 @@ def test_export_from_the_saved_settings(runs):
     assert record["step"] == 3 and out == workdir / "export" / "step_3"
     manifest = json.loads((out / "export.json").read_text())
     assert {f["path"] for f in manifest["files"]} >= {"peft/adapter_model.safetensors", "peft/adapter_config.json",
-                                                       "merged/config.json"}
+                                                       "merged/config.json", "merged/tokenizer.json"}
+    # The run's tokenizer ships with the merged model (the embedded policy's: the project's tiny one, no template).
+    assert (out / "merged" / "tokenizer.json").read_bytes() == default_tokenizer_path().read_bytes()
+    assert not (out / "merged" / "chat_template.jinja").exists()
     spec = _spec(**{"train.steps": 3})
     adapter_cfg = json.loads((out / "peft" / "adapter_config.json").read_text())
     assert adapter_cfg["r"] == spec.model.lora_rank and adapter_cfg["lora_alpha"] == spec.model.lora_alpha
@@ -274,6 +282,18 @@ def test_export_from_the_saved_settings(runs):
     want = np.asarray(jax.jit(lambda st: token_logprobs(nnx.merge(nnx.graphdef(policy), st), ids))(nnx.state(policy)))
     got = np.asarray(jax.jit(lambda st: token_logprobs(nnx.merge(nnx.graphdef(merged), st), ids))(nnx.state(merged)))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.slow  # 13 s on top of the export (a process, a compile): the file checks above run in CI
+def test_readme_generate_runs_on_the_export(runs):
+    """The README's `generate` command on the exported merged model as it stands (its tokenizer ships with it)."""
+    out = Path(json.loads(runs["export"].stdout.strip().splitlines()[-1])["export_dir"]) / "merged"
+    gen = subprocess.run([sys.executable, "-m", "glm52_jax.generate", f"--checkpoint={out}", "--prompt=What is 2+2?",
+                          "--chat", "--max_new_tokens=2", "--seed=0"], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
+    assert gen.returncode == 0, gen.stderr[-2000:]
+    record = json.loads(gen.stdout.strip().splitlines()[-1])
+    assert record["prompt_tokens"] > 0 and len(record["samples"][0]["tokens"]) <= 2
 
 
 def test_export_writes_native_positions_unless_asked(tmp_path, monkeypatch):

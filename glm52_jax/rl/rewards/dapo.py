@@ -12,11 +12,16 @@ normaliser). Everything below reproduces that behaviour, quirks included:
 * Strict box mode: the last ``\\boxed{...}`` in the last 100 characters (or from
   ``pause_tokens_index[-1] - 100`` on) must equal the ground truth verbatim, with no normalisation;
   without a box the prediction is ``None``.
+* ``boxed_fallback=True`` (off by default; run key ``reward.boxed_fallback``): the rule of verl
+  0.9.1's math_dapo.py (its ``verify``; verl 0.5.0 to 0.9.0 have none). When the default mode's
+  prediction is ``"[INVALID]"`` (after normalisation, so ``Answer: [INVALID]`` too), the strict-box
+  check of the same 300-character tail decides instead (verbatim comparison, 100-character window,
+  `pause_tokens_index`); without a box there, the default mode's result stands. The seed's runs
+  scored without it.
 
 Intentional differences: malformed input raises ``TypeError`` / ``ValueError`` with a message where
 the reference raises ``AttributeError`` / ``AssertionError``, and `is_correct_strict_box` returns a
-bool where the reference returns +1 / -1. Later verl main (2026-08) falls back to ``\\boxed{}`` when
-no ``Answer:`` line is found; that fallback is not implemented here.
+bool where the reference returns +1 / -1.
 """
 
 from __future__ import annotations
@@ -30,6 +35,10 @@ BOX_TAIL_CHARS = 100
 INVALID = "[INVALID]"
 ANSWER_RE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
 BOX_PREFIX = "\\boxed{"
+# What a receipt records of the rule that scored its samples (section "reward_rule"); `verify
+# --recompute-rewards` scores with the same setting.
+RULE_NAME = "dapo"
+RULE_REFERENCE = "verl verl/utils/reward_score/math_dapo.py compute_score, default (Minerva) mode"
 
 # Literal replacements, applied in this order after dropping everything up to the last "=".
 SUBSTITUTIONS: tuple[tuple[str, str], ...] = (
@@ -160,12 +169,15 @@ def compute_score(
     ground_truth: str,
     strict_box_verify: bool = False,
     pause_tokens_index: Sequence[int] | None = None,
+    *,
+    boxed_fallback: bool = False,
 ) -> dict:
     """DAPO reward of one response: ``{"score": +1.0 or -1.0, "acc": bool, "pred": str | None}``.
 
     Only the last 300 characters of `solution_str` are used (`pause_tokens_index` indexes into that
     tail). Default mode is `is_correct_minerva`; ``strict_box_verify=True`` uses
-    `is_correct_strict_box`, whose ``pred`` is None when there is no box.
+    `is_correct_strict_box`, whose ``pred`` is None when there is no box. `boxed_fallback` (default
+    mode only): an ``"[INVALID]"`` prediction gives way to the strict-box result when a box is found.
     """
     tail = _require_str("solution_str", solution_str)[-SOLUTION_TAIL_CHARS:]
     _require_str("ground_truth", ground_truth)
@@ -173,4 +185,13 @@ def compute_score(
         correct, pred = is_correct_strict_box(tail, ground_truth, pause_tokens_index)
     else:
         correct, pred = is_correct_minerva(tail, ground_truth)
+        if boxed_fallback and pred == INVALID:
+            box_correct, box_pred = is_correct_strict_box(tail, ground_truth, pause_tokens_index)
+            if box_pred is not None:
+                correct, pred = box_correct, box_pred
     return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
+
+
+def reward_rule(boxed_fallback: bool) -> dict:
+    """The receipt's "reward_rule" section: which rule scored the samples, with which setting."""
+    return {"name": RULE_NAME, "reference": RULE_REFERENCE, "boxed_fallback": bool(boxed_fallback)}
