@@ -115,11 +115,13 @@ def _drop_orbax_merge_warning(record) -> bool:
 
 
 def _run_start(path: Path) -> float | None:
-    """`time` of the first record in an existing metrics file (the run's start across resumes), if any."""
+    """When the run's first process started its metrics (Unix seconds), from the first record of an existing
+    metrics file: its `time` less its `elapsed`. None without one."""
     try:
         with open(path) as f:
-            return json.loads(f.readline()).get("time")
-    except (OSError, ValueError, AttributeError):  # no file yet, an empty one, or one from before `time`
+            first = json.loads(f.readline())
+        return first["time"] - first["elapsed"]
+    except (OSError, ValueError, KeyError, TypeError):  # no file yet, an empty one, or one from before `time`
         return None
 
 

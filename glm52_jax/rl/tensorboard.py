@@ -8,6 +8,7 @@ run adds an event file, and TensorBoard merges them by step. A scalar is tagged 
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 TENSORBOARD_DIR = "tensorboard"
@@ -40,20 +41,34 @@ TAGS = {
 
 
 class ScalarWriter:
-    """`write(record)`: the TAGS fields of a metrics.jsonl step record as scalars at `record["step"]`."""
+    """`write(record)`: the TAGS fields of a metrics.jsonl step record as scalars at `record["step"]`.
+
+    One event per step, written and flushed before `write` returns: tensorboardX's `SummaryWriter` queues
+    events for a background thread that flushes every 2 minutes, so a process killed later in the run lost
+    the points of steps it had committed (seen in the resume test); its synchronous `EventsWriter` does not.
+    """
 
     def __init__(self, workdir: str | Path):
-        from tensorboardX import SummaryWriter
+        from tensorboardX.event_file_writer import EventsWriter
 
         self.directory = Path(workdir) / TENSORBOARD_DIR
-        self._writer = SummaryWriter(logdir=str(self.directory))
+        self.directory.mkdir(parents=True, exist_ok=True)
+        # The file name holds the start second and host; the pid keeps a quick restart's file apart.
+        self._events = EventsWriter(str(self.directory / "events"), filename_suffix=f".{os.getpid()}")
 
     def write(self, record: dict) -> None:
-        for field, tag in TAGS.items():
-            value = record.get(field)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                self._writer.add_scalar(tag, float(value), global_step=int(record["step"]), walltime=record["time"])
-        self._writer.flush()  # a killed process keeps every committed step's points
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=tag, simple_value=float(record[field])) for field, tag in TAGS.items()
+                  if _is_number(record.get(field))]
+        self._events.write_event(Event(wall_time=record["time"], step=int(record["step"]),
+                                       summary=Summary(value=values)))
+        self._events.flush()
 
     def close(self) -> None:
-        self._writer.close()
+        self._events.close()
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
