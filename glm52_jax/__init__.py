@@ -1,11 +1,12 @@
 """glm52-jax: GLM-5.2 (MLA + DeepSeek Sparse Attention + MoE) in JAX/Flax.
 
     model = glm52_jax.load_pretrained(path)          # HF checkpoint directory
-    logits = model(input_ids)                        # [B, S] int32 -> [B, S, V] float32
+    logits = glm52_jax.forward(model, input_ids)     # [B, S] int32 -> [B, S, V] float32 (model(input_ids), jitted)
     logp = glm52_jax.token_logprobs(model, input_ids)  # [B, S-1] float32
 
-The exports load on first use, so tools that need no model (the evidence verifier, the roofline)
-start without importing JAX.
+`forward` and `token_logprobs` run compiled (glm52_jax/compiled.py: one XLA program per model structure and
+shapes, reused by later calls); `model(input_ids)` runs op by op. The exports load on first use, so tools
+that need no model (the evidence verifier, the roofline) start without importing JAX.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ _EXPORTS = {
     "tiny": "glm52_jax.config",
     "ModelOptions": "glm52_jax.model.options",
     "GlmMoeDsa": "glm52_jax.model.transformer",
-    "token_logprobs": "glm52_jax.model.transformer",
+    "token_logprobs": "glm52_jax.compiled",
+    "forward": "glm52_jax.compiled",
 }
 
 __all__ = sorted(_EXPORTS)

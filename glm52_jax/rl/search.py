@@ -4,6 +4,7 @@ rewards differ; its group of G samples (`rl.group.choose_group`; S = G by defaul
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -103,7 +104,9 @@ def search_group(inputs: RunInputs, cursor: int, seeds: list[int], sampler, *, s
         records = request_records(REQUEST_CANDIDATE, i, row.index, prompt, seeds[i], res, texts)
         if samples is not None:
             samples += records
+        start = time.perf_counter()
         scores = [compute_score(text, row.ground_truth, boxed_fallback=spec.reward.boxed_fallback) for text in texts]
+        reward_seconds = time.perf_counter() - start
         rewards = [float(sc["score"]) for sc in scores]
         # Several processes: the same tokens and rewards everywhere before the rewards steer the search.
         processes.check_same_samples(f"step {step} candidate {i}", jsonl_bytes(records), rewards)
@@ -113,7 +116,7 @@ def search_group(inputs: RunInputs, cursor: int, seeds: list[int], sampler, *, s
                            "seed": seeds[i]})
         event("candidate", step=step, candidate=i, row=row.index, rewards=rewards,
               prefix_hit_tokens=res.prefix_hit_tokens, prefill_seconds=round(res.prefill_seconds, 3),
-              decode_seconds=round(res.decode_seconds, 3))
+              decode_seconds=round(res.decode_seconds, 3), reward_seconds=round(reward_seconds, 3))
         log(f"step {step} candidate {i}: row {row.index} rewards {rewards} (prefix hit {res.prefix_hit_tokens} tokens)")
         group = choose_group(rewards, g)
         if group is not None:

@@ -15,6 +15,7 @@ the whole transaction; process 0 writes the evidence (rl/processes.py).
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import numpy as np
 from glm52_jax.evidence.atomic import atomic_write_bytes
 from glm52_jax.evidence.hashing import sha256_bytes, state_bytes
 from glm52_jax.evidence.receipt import ARTIFACTS_DIR
-from glm52_jax.rl import decode_audit, processes
+from glm52_jax.rl import decode_audit, processes, step_metrics
 from glm52_jax.rl.inputs import RunInputs
 from glm52_jax.rl.rewards.dapo import reward_rule
 from glm52_jax.rl.samples import REQUEST_CANDIDATE, jsonl_bytes
@@ -39,8 +40,9 @@ def lora_bytes(model) -> bytes:
     return state_bytes(nnx.state(model, LoRA))
 
 
-def update(inputs: RunInputs, model, optimizer, sampler, accepted: Accepted) -> tuple[dict, dict, dict]:
-    """The GRPO step on the accepted group: (training record, numerics record, arrays to keep)."""
+def update(inputs: RunInputs, model, optimizer, sampler, accepted: Accepted) -> tuple[dict, dict, dict, dict]:
+    """The GRPO step on the accepted group: (training record, numerics record, arrays to keep, the step's
+    update scalars for metrics.jsonl (`step_metrics.update_scalars`; not in the receipt))."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -63,7 +65,7 @@ def update(inputs: RunInputs, model, optimizer, sampler, accepted: Accepted) -> 
                           prefix_cache=prefix if mode == "response_only" else None)
     except NonFiniteGradientError as e:
         return ({"status": "aborted_nonfinite", "optimizer_steps": 0, "mode": mode},
-                {"finite": False, "error": str(e)}, {})
+                {"finite": False, "error": str(e)}, {}, {})
     sampler.policy_updated()  # cached prompt KV and the sampler's weights are now stale
     # The updated adapters on the responses, the prompt's KV from the sampling policy (response_only's view of
     # the new policy): one pass over R tokens per sample, not a forward over G x (P + R) tokens.
@@ -78,7 +80,14 @@ def update(inputs: RunInputs, model, optimizer, sampler, accepted: Accepted) -> 
                 "new_logprobs": "updated adapters on the responses, prompt KV of the sampling policy"}
     numerics = {"finite": bool(np.isfinite(loss) and np.isfinite(new_logprobs).all())}
     arrays = {"new_logprobs.npy": new_logprobs, "responses.npy": responses, "response_mask.npy": mask}
-    return training, numerics, arrays
+    settings = loss_settings(spec.train)
+    scalars = {"loss": loss, "grad_norm": training["grad_norm"],
+               **step_metrics.update_scalars(update_logp=to_host(upd.logprobs), old_logp=res.logprobs,
+                                             new_logp=new_logprobs, advantages=advantages, mask=mask,
+                                             clip_ratio_low=settings.clip_ratio_low,
+                                             clip_ratio_high=settings.clip_ratio_high,
+                                             policy_metrics=training["metrics"])}
+    return training, numerics, arrays, scalars
 
 
 def write_artifacts(writer, spec, *, arrays: dict, seeds: list[int], stop_ids, candidates: list[dict],
@@ -206,11 +215,15 @@ def run_transaction(inputs: RunInputs, *, step: int, step_key, cursor: int, mode
     training: dict[str, Any] = {"status": "no_mixed_group", "optimizer_steps": 0}
     numerics: dict[str, Any] = {"finite": True}
     arrays: dict[str, Any] = {}
+    scalars = step_metrics.search_scalars(candidates, traces, prompt_tokens=spec.data.prompt_tokens)
+    scalars["accepted_candidate"] = None if accepted is None else accepted.index
     processes.check_same_samples(f"step {step}", jsonl_bytes(samples), [cd["rewards"] for cd in candidates])
     if accepted is not None:
         mode = spec.train.gradient_mode
         event("update_start", traces, step=step, mode=mode)
-        training, numerics, arrays = update(inputs, model, optimizer, sampler, accepted)
+        start = time.perf_counter()
+        training, numerics, arrays, update_scalars = update(inputs, model, optimizer, sampler, accepted)
+        scalars.update(update_scalars, update_seconds=round(time.perf_counter() - start, 3))
         res = accepted.result
         arrays.update({"prompt_token_ids.npy": np.asarray(accepted.prompt, np.int32),
                        "completion_tokens.npy": res.tokens, "old_logprobs.npy": res.logprobs})
@@ -238,4 +251,4 @@ def run_transaction(inputs: RunInputs, *, step: int, step_key, cursor: int, mode
         receipt = writer.commit(fields)
         log(f"step {step} receipt: {receipt}")
     return {"step": step, "receipt": str(receipt), "status": training["status"], "candidates": len(candidates),
-            "accepted": None if accepted is None else accepted.index, "training": training}
+            "accepted": None if accepted is None else accepted.index, "training": training, "scalars": scalars}

@@ -19,6 +19,7 @@ import pytest
 
 from glm52_jax.evidence import deterministic_view, verify
 from glm52_jax.rl.inputs import resolve
+from glm52_jax.rl.progress import Console
 from glm52_jax.rl.run import prefill_progress, run_online
 from glm52_jax.rollout.tokenizer import ChatTemplate, default_tokenizer_path
 from glm52_jax.run_config import EMBEDDED_POLICY, ConfigError
@@ -233,6 +234,69 @@ def test_files_that_cannot_run_fail_before_any_model_work(key, value, match):
 
 def test_embedded_policy_ships_with_the_package():
     assert (EMBEDDED_POLICY / "config.json").is_file() and (EMBEDDED_POLICY / "model.safetensors").is_file()
+
+
+STEP_FIELDS = {"loss", "reward_mean", "reward_std", "grad_norm", "clipfrac_low", "clipfrac_high", "clipfrac_dual",
+               "approx_kl", "kl_after_update", "sampled_entropy", "accepted_candidate", "candidates_tried",
+               "prefill_seconds", "decode_seconds", "reward_seconds", "update_seconds", "checkpoint_seconds",
+               "step_seconds", "prefill_tokens_per_s", "decode_tokens_per_s"}
+
+
+def test_metrics_and_tensorboard_follow_the_run_across_the_resume(runs):
+    """The CLI run (killed in step 2, resumed to step 3): one `step` record per committed step whose numbers
+    are the receipts', a wall clock that goes on across the resume, and the same scalars in TensorBoard's
+    event files, read back by TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from glm52_jax.rl.tensorboard import TAGS
+
+    workdir = runs["cli"]
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    elapsed = [r["elapsed"] for r in records]
+    assert elapsed == sorted(elapsed) and elapsed[-1] > 0  # never restarts...
+    resumed = next(i for i, r in enumerate(records) if r["event"] == "resumed")
+    # ...while the per-process clock `t` does: the resumed process started it after the killed one's last record.
+    assert records[resumed]["elapsed"] - records[resumed]["t"] >= records[resumed - 1]["elapsed"] - 0.002
+    steps = {r["step"]: r for r in records if r["event"] == "step"}
+    assert sorted(steps) == [1, 2, 3]
+    for k, record in steps.items():
+        assert STEP_FIELDS <= set(record), STEP_FIELDS - set(record)
+        receipt = json.loads(_receipt(workdir, k).read_text())
+        training, search = receipt["training"], receipt["candidate_search"]
+        rewards = [x for r in receipt["rewards"] for x in r]
+        assert (record["loss"], record["grad_norm"]) == (training["loss"], training["grad_norm"])
+        assert (record["accepted_candidate"], record["candidates_tried"]) == (search["accepted"], search["tried"])
+        assert record["reward_mean"] == pytest.approx(np.mean(rewards)) and record["reward_std"] == pytest.approx(
+            np.std(rewards))
+        assert record["clipfrac_low"] + record["clipfrac_high"] == pytest.approx(training["metrics"]["clipfrac"],
+                                                                                 abs=1e-6)
+        assert record["approx_kl"] == training["metrics"]["approx_kl"] and record["kl_after_update"] > 0
+        assert min(record[f"{p}_seconds"] for p in ("prefill", "decode", "update", "checkpoint")) > 0
+        assert record["decode_tokens_per_s"] > 0 and record["step_seconds"] > record["update_seconds"]
+    accumulator = EventAccumulator(str(workdir / "tensorboard"))
+    accumulator.Reload()
+    computed = {field: tag for field, tag in TAGS.items() if field in steps[1]}  # the tiny config runs no probe
+    assert set(accumulator.Tags()["scalars"]) == set(computed.values()) and "probe_seconds" not in computed
+    for field, tag in computed.items():
+        points = accumulator.Scalars(tag)
+        assert [p.step for p in points] == [1, 2, 3], tag
+        np.testing.assert_allclose([p.value for p in points], [steps[k][field] for k in (1, 2, 3)], rtol=1e-6)
+        assert [p.wall_time for p in points] == pytest.approx([steps[k]["time"] for k in (1, 2, 3)])
+
+
+def test_console_names_the_run_and_ends_with_how_to_verify_it(runs):
+    """The resumed CLI run's stderr: the start banner, the end summary with the last receipt and its verify
+    command, and no Orbax "Skipping merge of OCDBT checkpoints" warning at the checkpoint saves."""
+    err, workdir = runs["resume"].stderr, runs["cli"]
+    lines = err.splitlines()
+    banner = next(line for line in lines if line.startswith("run "))
+    assert banner.startswith(f"run 'online_grpo_tiny' in {workdir}: ") and "mesh DP1/TP1/CP1/EP1/PP1" in banner
+    receipt = _receipt(workdir, 3)
+    accepted = json.loads(receipt.read_text())["candidate_search"]["accepted"]
+    done = next(i for i, line in enumerate(lines) if line.startswith("done: "))
+    assert lines[done].startswith(f"done: step 3 updated; accepted candidate {accepted} of "), lines[done:]
+    assert lines[done + 1:done + 3] == [f"receipt: {receipt}", f"verify: python -m glm52_jax.evidence verify {receipt}"]
+    assert "Skipping merge of OCDBT" not in err
 
 
 def test_cli_receipt_verifies_with_the_evidence_cli(runs):
@@ -451,13 +515,14 @@ def test_sharded_transaction_matches_one_device(runs, tmp_path):
 
 def test_prefill_progress_reaches_the_console_for_long_prompts():
     events, lines = [], []
-    progress = prefill_progress(lambda kind, **kw: events.append((kind, kw)), lines.append, chunk_size=100)
+    progress = prefill_progress(lambda kind, **kw: events.append((kind, kw)), Console(lines.append, bars=False),
+                                chunk_size=100)
     for done in range(100, 2001, 100):  # 20 chunks
         progress(done, 2000, 1000.0, (2000 - done) / 1000)
     assert len(events) == 20 and events[-1] == ("prefill", {"done": 2000, "total": 2000, "tokens_per_s": 1000.0})
-    assert len(lines) == 11 and lines[-1].startswith("prefill 2,000/2,000 tokens (100%)")
+    assert len(lines) == 11 and lines[-1] == "prefill 2,000/2,000 tokens (100%), 1,000 tokens/s, eta 0 s"
     short = []
-    quiet = prefill_progress(lambda kind, **kw: None, short.append, chunk_size=100)
+    quiet = prefill_progress(lambda kind, **kw: None, Console(short.append, bars=False), chunk_size=100)
     for done in (100, 200, 256):  # 3 chunks: no console lines
         quiet(done, 256, 1000.0, 0.0)
     assert short == []

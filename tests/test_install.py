@@ -1,0 +1,29 @@
+"""A light main install: `pip install -e .` needs none of the test / parity / plot stacks."""
+
+import importlib.metadata
+import re
+import tomllib
+from pathlib import Path
+
+# Only tests, the PyTorch parity bridge and plots use these; they live in extras (`test`, `parity`, `plots`).
+HEAVY = {"torch", "transformers", "peft", "verl", "matplotlib", "tensorflow"}
+# What the launcher imports (with its TensorBoard writer).
+LAUNCHER = {"jax", "flax", "optax", "orbax-checkpoint", "ml-collections", "absl-py", "numpy", "tokenizers",
+            "tensorboardx"}
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[\s;<>=!~\[(]", requirement.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_installed_metadata_requires_no_heavy_package():
+    requires = importlib.metadata.requires("glm52-jax")
+    required = {_name(r) for r in requires if "extra ==" not in r}
+    assert required and not required & HEAVY, required & HEAVY
+    assert {_name(r) for r in requires if 'extra == "test"' in r} >= {"torch", "transformers", "peft"}
+
+
+def test_pyproject_dependencies_are_the_launchers():
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    required = {_name(r) for r in project["dependencies"]}
+    assert LAUNCHER <= required and not required & HEAVY, (LAUNCHER - required, required & HEAVY)
