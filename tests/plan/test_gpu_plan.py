@@ -58,11 +58,17 @@ def test_modeled_time_from_the_reported_numbers(eight):
     forward, speeds = eight["programs"]["forward"], eight["target"]["speeds"]
     t, tr = forward["time"], forward["traffic"]
     assert forward["flops"]["flops_executed"] > 0 and tr["memory_bytes_executed"] > 0
-    assert t["compute_s"] == pytest.approx(forward["flops"]["flops_executed"] / speeds["flops_per_s"])
+    # Compute: the HLO's FLOPs plus the DSA indexer's analytic ones (its data-dependent key loops).
+    assert forward["flops"]["indexer_flops_analytic"] > 0
+    assert t["compute_s"] == pytest.approx(
+        (forward["flops"]["flops_executed"] + forward["flops"]["indexer_flops_analytic"]) / speeds["flops_per_s"])
     assert t["memory_s"] == pytest.approx(tr["memory_bytes_executed"] / speeds["hbm_bytes_per_s"])
+    assert tr["collectives_executed_within_host"] > 0 and tr["collectives_executed_across_hosts"] > 0
     assert t["communication_s"] == pytest.approx(
         tr["collective_bytes_executed_within_host"] / speeds["nvlink_bytes_per_s"]
-        + tr["collective_bytes_executed_across_hosts"] / speeds["network_bytes_per_s"])
+        + tr["collective_bytes_executed_across_hosts"] / speeds["network_bytes_per_s"]
+        + tr["collectives_executed_within_host"] * speeds["nvlink_latency_s"]
+        + tr["collectives_executed_across_hosts"] * speeds["network_latency_s"])
     assert t["modeled_s"] == pytest.approx(max(t["compute_s"], t["memory_s"]) + t["communication_s"])
     assert t["modeled_s"] > t["communication_s"] > 0
     # The one 8-way axis spans both hosts: its collectives cross them, except the host-local stage XLA:GPU

@@ -20,7 +20,7 @@ from glm52_jax.checkpoint.hf import _hf_tensors, host_transfers, save_pretrained
 from glm52_jax.checkpoint.peft import save_peft_adapter
 from glm52_jax.checkpoint.train_state import RunCheckpoints, RunState
 from glm52_jax.model.lora import LoRA, merge_lora
-from glm52_jax.rl.export import export_run
+from glm52_jax.rl.export import export_run, tokenizer_files
 from glm52_jax.rl.inputs import resolve
 from glm52_jax.rl.policy import build_policy
 from glm52_jax.run_config import ConfigError, save_spec
@@ -42,7 +42,8 @@ def _name(mesh: str) -> str:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """root/<mesh name>: a workdir whose step 1 holds the random adapters; root/reference: those adapters
-    and the whole-model merge as `save_peft_adapter` / `save_pretrained(merge_lora(model))` write them."""
+    and the whole-model merge as `save_peft_adapter` / `save_pretrained(merge_lora(model))` write them, with the
+    run's tokenizer files (`export.tokenizer_files`)."""
     root = tmp_path_factory.mktemp("export_runs")
     spec = _spec("")
     model, optimizer = build_policy(spec, resolve(spec, data=False))
@@ -58,6 +59,8 @@ def runs(tmp_path_factory):
         ckpts.close()
     save_peft_adapter(model, root / "reference" / "peft", base_model_name_or_path=spec.model.base_name)
     save_pretrained(merge_lora(model), root / "reference" / "merged")
+    for name, source in tokenizer_files(spec.model).items():  # an export ships the run's tokenizer beside the model
+        shutil.copyfile(source, root / "reference" / "merged" / name)
     return root
 
 
