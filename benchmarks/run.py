@@ -847,6 +847,9 @@ def main(argv: list[str] | None = None) -> int:
     os.replace(tmp, out_path)
     print(report(res))
     print(f"\nWrote {out_path} ({res['wall_seconds']:.0f} s).")
+    from benchmarks import figures  # time and memory against length, beside the JSON (matplotlib permitting)
+
+    print(figures.write_or_explain(res, os.path.splitext(out_path)[0] + ".png"))
     return 0
 
 

@@ -167,12 +167,19 @@ def _plan(spec) -> dict:
     report["model_source"] = source
     _log(format_plan(report))
     if FLAGS.workdir:
-        from glm52_jax.evidence.atomic import atomic_write_json
-
-        Path(FLAGS.workdir).mkdir(parents=True, exist_ok=True)
-        atomic_write_json(Path(FLAGS.workdir) / "plan.json", report, indent=1)
+        save_plan(report, Path(FLAGS.workdir), _log)
     return {k: report[k] for k in ("fits", "largest_program", "largest_total_bytes", "hbm_bytes")} | \
         {"mesh": report["mesh"]["describe"], "target": spec.plan.target}
+
+
+def save_plan(report: dict, workdir: Path, log) -> None:
+    """WORKDIR/plan.json, then its picture plan_memory.png beside it (or a line saying how to get matplotlib)."""
+    from glm52_jax.evidence.atomic import atomic_write_json
+    from glm52_jax.plan import figure
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(workdir / "plan.json", report, indent=1)
+    log(figure.write_or_explain(report, workdir))
 
 
 def unfit_message(result: dict) -> str | None:

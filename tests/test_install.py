@@ -27,3 +27,11 @@ def test_pyproject_dependencies_are_the_launchers():
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
     required = {_name(r) for r in project["dependencies"]}
     assert LAUNCHER <= required and not required & HEAVY, (LAUNCHER - required, required & HEAVY)
+
+
+def test_plots_extra_is_matplotlib_and_the_test_extra_has_it():
+    """Plan mode's and the benchmarks' pictures: `pip install -e '.[plots]'`; CI (the test extra) draws them too."""
+    extras = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert {_name(r) for r in extras["plots"]} == {"matplotlib"}
+    assert "matplotlib" in {_name(r) for r in extras["test"]}

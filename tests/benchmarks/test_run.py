@@ -41,6 +41,7 @@ def quick(tmp_path_factory):
     proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(out)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")  # benchmarks/figures.py drew it
     return json.loads(out.read_text()), proc.stdout
 
 
