@@ -4,6 +4,8 @@
     python -m glm52_jax.evidence verify --recompute-rewards RECEIPT   # also re-score every stored reward
     python -m glm52_jax.evidence verify WORKDIR            # every committed receipt of a run
     python -m glm52_jax.evidence show RECEIPT              # short summary (does not verify)
+    python -m glm52_jax.evidence publish RECEIPT DIR/NAME.json   # a verified receipt under its own name
+    python -m glm52_jax.evidence compare RECEIPT RECEIPT   # what two runs computed differently (exit 1 if any)
 
 RECEIPT is a receipt.json or the directory holding it; WORKDIR a run's workdir or its evidence/
 directory (every step's receipt and the named receipts, `evidence.run_dir`).
@@ -119,10 +121,30 @@ def main(argv: list[str] | None = None) -> int:
                           help="also recompute every stored reward from its stored text and ground truth (DAPO rule)")
     p_show = sub.add_parser("show", help="print a short summary of a receipt")
     p_show.add_argument("receipt", help="receipt.json or its directory")
+    p_publish = sub.add_parser("publish", help="copy a verified receipt (and its artifacts) under a name of its own")
+    p_publish.add_argument("receipt", help="receipt.json, its directory, or a named receipt")
+    p_publish.add_argument("dest", help="DIR/NAME.json (artifacts go to DIR/NAME/); never overwritten")
+    p_compare = sub.add_parser("compare", help="what two receipts of the same transaction computed differently")
+    p_compare.add_argument("first")
+    p_compare.add_argument("second")
+    p_compare.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance for numbers (1e-5)")
     args = parser.parse_args(argv)
 
     if args.command == "verify":
         return _verify(Path(args.receipt), args.json, args.recompute_rewards)
+    if args.command in ("publish", "compare"):
+        from glm52_jax.evidence.publish import publish, result_differences
+
+        try:
+            if args.command == "publish":
+                print(f"published {publish(args.receipt, args.dest)}")
+                return 0
+            diffs = result_differences(receipt_file(args.first), receipt_file(args.second), args.rtol)
+        except EvidenceError as e:
+            print(e)
+            return 1
+        print("\n".join(diffs) if diffs else "same results")
+        return 1 if diffs else 0
     path = receipt_file(args.receipt)
     try:
         receipt = load_receipt(path)

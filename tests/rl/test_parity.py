@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 from glm52_jax.evidence import verify
+from glm52_jax.evidence.publish import result_differences
 from glm52_jax.evidence.receipt import load_receipt
 from glm52_jax.rl import parity_cases, parity_metrics, parity_shards
 from glm52_jax.rl.inputs import resolve
 from glm52_jax.rl.parity import receipt_name, run_parity
-from tests.run_helpers import config_spec
+from tests.run_helpers import ROOT, config_spec
 
 # Both meshes are slow for CI's budget (~140-180 s each; both passed in CI runs of 2026-12-05 and by hand). CI keeps
 # parity on one device; sharded LoRA gradients against one device stay in CI through tests/parallel/test_distributed.py.
@@ -163,3 +164,15 @@ def test_32k_parity_config():
     assert spec.mesh == "folded=32" and sorted(spec.parity.bounds()) == ["response_only", "shared_prefix"]
     inputs = resolve(spec)
     assert len(inputs.first_prompts[0]) == 32_768 and inputs.model_cfg.num_hidden_layers == 78
+
+
+def test_the_committed_parity_receipt_is_what_this_code_computes(one_device):
+    """evidence/gradient_parity_tiny.json (published from `--mode=parity --config=configs/tiny.py
+    --config.parity.torch_reference=True`, evidence/README.md) verifies, and the same run here decides and
+    measures the same (provenance, timings, absolute paths and hashes of float data aside)."""
+    committed = ROOT / "evidence" / "gradient_parity_tiny.json"
+    assert verify(committed) == []
+    if not HAS_TORCH:
+        pytest.skip("the committed receipt includes the PyTorch bridge's pairs (the `parity` extra)")
+    path, _ = _receipt(one_device)
+    assert result_differences(path, committed) == []

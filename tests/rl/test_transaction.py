@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from glm52_jax.evidence import deterministic_view, verify
+from glm52_jax.evidence.publish import result_differences
 from glm52_jax.rl.inputs import resolve
 from glm52_jax.rl.progress import Console
 from glm52_jax.rl.run import prefill_progress, run_online
@@ -739,3 +740,15 @@ def test_samples_per_request_draws_more_and_trains_on_the_chosen_group(inproc):
     responses, mask, advantages = response_batch(accepted, 0, spec.sampling.max_new_tokens)
     assert responses.shape == mask.shape == (2, spec.sampling.max_new_tokens) and advantages.shape == (2,)
     print("samples_per_request=4 rewards:", [cd["rewards"] for cd in candidates], "group:", accepted.samples)
+
+
+def test_the_committed_online_receipt_is_what_this_code_computes(runs):
+    """evidence/online_grpo_tiny.json (published from step 1 of the README's first command, evidence/README.md)
+    verifies, and step 1 of the same run here computes the same: prompt, candidates, completions, rewards,
+    training numbers, numerics (provenance, timings, absolute paths and hashes of float data aside)."""
+    committed = ROOT / "evidence" / "online_grpo_tiny.json"
+    assert verify(committed) == []
+    workdir, _ = runs["inproc"]
+    # This process has 8 virtual CPU devices, the README's command 1; both run on a 1-device mesh.
+    assert result_differences(_receipt(workdir, 1), committed, ignore=("topology.devices",)) == []
+    assert result_differences(_receipt(workdir, 2), committed, ignore=("topology.devices",))  # can fail
