@@ -105,7 +105,7 @@ def check_scales(path: str, info: Callable, scales: set[str], expected: dict[str
         w, s = info(weight), info(scale)
         if w.dtype != "F8_E4M3":
             raise ValueError(f"{path}: tensor {weight!r} has a block scale but dtype {w.dtype}; expected F8_E4M3")
-        if s.dtype not in ("F32", "BF16"):
+        if s.dtype != "F32":
             raise ValueError(f"{path}: tensor {scale!r} has dtype {s.dtype}; expected F32")
         grid = tuple(math.ceil(n / b) for n, b in zip(expected[weight], quant.block))
         if tuple(s.shape) != grid:
