@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from lora_utils import random_adapters
 
 import glm52_jax
@@ -32,6 +33,8 @@ from glm52_jax import config
 from glm52_jax.model import fp8
 from glm52_jax.model.lora import LoRA, LoRAConfig
 from glm52_jax.model.transformer import GlmMoeDsa
+from glm52_jax.parallel.mesh import parse_mesh
+from glm52_jax.parallel.rules import axis_rules
 from glm52_jax.rollout.sampler import Sampler, SamplingParams
 
 # Two MoE layers of one kind: one scanned stack (stacked experts [2, 8, D, I]); the dense MLP's projections
@@ -102,6 +105,24 @@ def test_fp8_load_keeps_e4m3_and_dequantizes_to_the_checkpoints_numbers(tmp_path
     else:
         assert values[stack + ("q_b_proj",)].block == (32, 2, 40)  # two 40-row heads per 80-row block
         assert values[stack + ("o_proj",)].block == (1, 32, 80)
+
+
+def test_fp8_load_on_a_mesh_reads_each_devices_slices(dirs):
+    """folded=8 with FSDP: values sharded as the dense weight would be, scales by the unblocked logical axes
+    (the experts) and whole elsewhere; every number as in the one-device load."""
+    spec = parse_mesh("folded=8")
+    with axis_rules(spec.rules()):
+        sharded = flat_values(glm52_jax.load_pretrained(dirs[0], dtype=jnp.float32, shardings=spec.make()))
+        dense = flat_values(glm52_jax.load_pretrained(dirs[1], dtype=jnp.float32, shardings=spec.make()))
+    plain = flat_values(glm52_jax.load_pretrained(dirs[0], dtype=jnp.float32))
+    q_a, w_up = ("stacks", 0, "layers", 0, "self_attn", "q_a_proj"), ("stacks", 0, "layers", 0, "mlp", "w_up")
+    assert sharded[q_a].values.sharding.spec == dense[q_a].sharding.spec == P(None, "cp_ep", None)  # FSDP on D
+    assert sharded[q_a].scales.sharding.is_fully_replicated
+    assert sharded[w_up].values.sharding.spec == dense[w_up].sharding.spec == P(None, "cp_ep", None, None)
+    assert sharded[w_up].scales.sharding.spec == P(None, "cp_ep", None, None)  # one expert's scales per device
+    for key, value in plain.items():
+        for got, want in zip(jax.tree.leaves(sharded[key]), jax.tree.leaves(value), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(key))
 
 
 def test_quantization_config_is_not_part_of_the_model_config(dirs):
