@@ -24,3 +24,10 @@ def with_random_b(model, seed=0, std=0.05):
             value = jnp.asarray(std * rng.standard_normal(value.shape), value.dtype)
         flat.append((path, var.replace(value)))
     return nnx.merge(graphdef, params, nnx.from_flat_state(flat))
+
+
+def random_adapters(lora: nnx.State, seed=0, std=0.05) -> nnx.State:
+    """Every A and B of an adapter state (real or abstract, e.g. from `nnx.eval_shape`) drawn at random: adapters
+    for a loaded base without `attach_lora`'s compile of the model constructor."""
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda a: jnp.asarray(std * rng.standard_normal(a.shape), a.dtype), lora)

@@ -6,6 +6,7 @@ from the headers alone, and only then reads data, one parameter at a time, each 
 Routed experts may be stored per expert (`mlp.experts.E.gate_proj.weight`, as HF saves and GLM-5
 releases ship) or fused 3-D (`mlp.experts.gate_up_proj`, HF's in-memory layout). Multi-token
 prediction layers (`model.layers.{N}.*` for N >= num_hidden_layers) are skipped with a log line.
+FP8 checkpoints' quantized weights stay e4m3 + block scales on device (`model.fp8`; read by `hf_fp8.py`).
 
 Saving writes per-expert names, sharded with `model.safetensors.index.json` above
 `max_shard_bytes`, into a temporary directory that replaces the files only when complete.
@@ -30,8 +31,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from glm52_jax.checkpoint import hf_fp8
 from glm52_jax.checkpoint.safetensors_io import LazyTensor, SafetensorsFile, write_safetensors
 from glm52_jax.config import ModelConfig
+from glm52_jax.model.fp8 import Fp8Weight
 from glm52_jax.model.lora import KernelDelta, kernel_adapters, merged_kernel
 from glm52_jax.model.options import ModelOptions
 from glm52_jax.model.transformer import GlmMoeDsa
@@ -230,18 +233,16 @@ class _Checkpoint:
         return self.where[name].get(name)
 
 
-def _check_inventory(cfg: ModelConfig, ckpt: _Checkpoint) -> bool:
-    """Validates names, shapes and dtypes from headers; returns True for the fused expert layout."""
+def _check_inventory(cfg: ModelConfig, ckpt: _Checkpoint, quant=None) -> tuple[bool, set[str]]:
+    """Validates names, shapes, dtypes and FP8 scales from headers; returns (fused experts?, FP8 weight names)."""
     names = set(ckpt.where)
-    scaled = sorted(n for n in names if n.endswith("weight_scale_inv"))
-    if scaled:
-        raise ValueError(f"{ckpt.path}: FP8 checkpoints (e.g. {scaled[0]!r}) are not supported; "
-                         f"use the BF16 release")
     mtp = sorted(n for n in names if (m := _LAYER_RE.match(n)) and int(m.group(1)) >= cfg.num_hidden_layers
                  and int(m.group(1)) < cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
     if mtp:
         log.info("skipping %d multi-token-prediction tensors (layers >= %d)", len(mtp), cfg.num_hidden_layers)
         names -= set(mtp)
+    scales = {n for n in names if n.endswith(hf_fp8.SCALE_SUFFIX)}
+    names -= scales
     fused = any(n.endswith("mlp.experts.gate_up_proj") for n in names)
     expected = expected_tensors(cfg, fused_experts=fused)
     missing = sorted(set(expected) - names)
@@ -262,13 +263,19 @@ def _check_inventory(cfg: ModelConfig, ckpt: _Checkpoint) -> bool:
         if info.shape != shape:
             raise ValueError(f"config.json does not match the weights: tensor {name!r} has shape {info.shape}, "
                              f"but the config implies {shape}")
-        if info.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"tensor {name!r} has dtype {info.dtype}; expected a float type {_FLOAT_DTYPES}")
-    return fused
+    quantized = hf_fp8.check_scales(ckpt.path, ckpt.info, scales, expected, quant)
+    for name in sorted(set(expected) - quantized):
+        if (dtype := ckpt.info(name).dtype) not in _FLOAT_DTYPES:
+            raise ValueError(f"tensor {name!r} has dtype {dtype}; expected a float type {_FLOAT_DTYPES}")
+    return fused, quantized
 
 
-def _per_layer_reader(cfg: ModelConfig, ckpt: _Checkpoint, fused: bool, kind, rel_path):
-    """fn(layer, expert_slice) -> per-layer array in our layout (float32 or the stored float)."""
+def _per_layer_reader(cfg: ModelConfig, ckpt: _Checkpoint, fused: bool, kind, rel_path, scales=None):
+    """fn(layer, expert_slice) -> per-layer array in our layout (float32 or the stored float); with `scales`
+    (HF scale grid -> ours), the FP8 block scales of those weights instead."""
+    def get(name, to_ours):
+        return to_ours(ckpt.get(name)) if scales is None else scales(ckpt.get(name + hf_fp8.SCALE_SUFFIX))
+
     if rel_path in _EXPERT_PARAMS:
         proj = _EXPERT_PARAMS[rel_path]
         i_moe = cfg.moe_intermediate_size
@@ -283,15 +290,28 @@ def _per_layer_reader(cfg: ModelConfig, ckpt: _Checkpoint, fused: bool, kind, re
                     a = ckpt.get(p + "gate_up_proj")[experts]
                     a = a[:, :i_moe] if proj == "gate_proj" else a[:, i_moe:]
                 return _t(a)
-            return np.stack([_t(ckpt.get(f"{p}{x}.{proj}.weight")) for x in ids])
+            return np.stack([get(f"{p}{x}.{proj}.weight", _t) for x in ids])
         return read_experts, True
     spec = {lp.path: lp for lp in _layer_params(cfg, *kind)}[rel_path]
-    return (lambda layer, _: spec.to_ours(ckpt.get(f"model.layers.{layer}.{spec.hf}"))), False
+    return (lambda layer, _: get(f"model.layers.{layer}.{spec.hf}", spec.to_ours)), False
 
 
-def param_reader(cfg: ModelConfig, ckpt, fused: bool, key: tuple, shape: tuple[int, ...]) -> Callable:
+def _sources(cfg: ModelConfig, key: tuple) -> list[str]:
+    """The HF weights our parameter `key` is read from: every layer of its stack (and every expert)."""
+    if key[0] != "stacks":
+        return []  # embedding, final norm, lm_head: never FP8 here (`hf_fp8.check_scales`)
+    layers = [layer for layer, (s, _, slot) in sorted(_layer_map(cfg).items()) if (s, slot) == (key[1], key[3])]
+    rel, kind = tuple(key[4:]), (cfg.mlp_layer_types[layers[0]], cfg.indexer_types[layers[0]])
+    if rel in _EXPERT_PARAMS:
+        return [f"model.layers.{i}.mlp.experts.{x}.{_EXPERT_PARAMS[rel]}.weight" for i in layers
+                for x in range(cfg.n_routed_experts)]
+    return [f"model.layers.{i}.{lp.hf}" for lp in _layer_params(cfg, *kind) if lp.path == rel for i in layers]
+
+
+def param_reader(cfg: ModelConfig, ckpt, fused: bool, key: tuple, shape: tuple[int, ...], scales=None) -> Callable:
     """`read(index) -> np.ndarray`: our parameter `key` (of `shape`) at `index` (a tuple of slices), in our
-    layout, from the HF tensors of `ckpt` (anything with `get(hf_name) -> np.ndarray`; `fused`: fused experts)."""
+    layout, from the HF tensors of `ckpt` (anything with `get(hf_name) -> np.ndarray`; `fused`: fused experts).
+    With `scales` (one layer's HF scale grid -> ours; `shape` then the scale grid's), its FP8 block scales."""
     globals_ = {
         ("embed_tokens",): ("model.embed_tokens.weight", lambda a: a),
         ("norm", "weight"): ("model.norm.weight", lambda a: a),
@@ -306,7 +326,7 @@ def param_reader(cfg: ModelConfig, ckpt, fused: bool, key: tuple, shape: tuple[i
     stack, slot, rel = key[1], key[3], tuple(key[4:])
     layer0 = layer_of[(stack, 0, slot)]
     kind = (cfg.mlp_layer_types[layer0], cfg.indexer_types[layer0])
-    reader, is_expert = _per_layer_reader(cfg, ckpt, fused, kind, rel)
+    reader, is_expert = _per_layer_reader(cfg, ckpt, fused, kind, rel, scales)
 
     def read(index):
         reps = range(shape[0])[index[0]]
@@ -321,24 +341,30 @@ def load_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, shardings=None,
                     options: ModelOptions | None = None, *, rope_scaling=None) -> GlmMoeDsa:
     """Loads an HF GLM-MoE-DSA checkpoint directory into a `GlmMoeDsa`.
 
-    dtype: parameter dtype (router, correction bias and indexer `weights_proj` stay float32).
+    dtype: parameter dtype (router, correction bias and indexer `weights_proj` stay float32); an FP8
+      checkpoint's quantized weights stay e4m3 + block scales and compute in it (`model.fp8`).
     shardings: None (default device) or a `jax.sharding.Mesh`; with a mesh each parameter is
       sharded by its logical axis names (`parallel.rules`) and every device reads only its slice.
     rope_scaling: a `positions.RopeScaling` to apply; by default `$GLM52_ROPE_SCALING_JSON`'s, when set.
     """
     path = os.fspath(path)
-    cfg = ModelConfig.from_json_file(os.path.join(path, "config.json"))
+    quant, cfg = hf_fp8.split_quantization(ModelConfig.from_json_file(os.path.join(path, "config.json")))
     cfg = cfg.with_env_rope_scaling() if rope_scaling is None else cfg.with_rope_scaling(rope_scaling)
     # HF checkpoints hold no adapters: load the base, then attach fresh LoRA if the options ask for it.
     opts = dataclasses.replace(options or ModelOptions(), param_dtype=dtype, lora=None)
     ckpt = _Checkpoint(path)
-    fused = _check_inventory(cfg, ckpt)
+    fused, quantized = _check_inventory(cfg, ckpt, quant)
     abstract = nnx.eval_shape(lambda: GlmMoeDsa(cfg, opts, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     leaves = []
     for key, var in nnx.to_flat_state(state):
         shape, target = tuple(var.get_value().shape), var.get_value().dtype
         read = param_reader(cfg, ckpt, fused, key, shape)
+        if hf_fp8.all_or_none(key, _sources(cfg, key), quantized):  # e4m3 values + block scales, read alike
+            p = hf_fp8.fp8_param(cfg, quant, key, shape)
+            scales = param_reader(cfg, ckpt, fused, key, p.scale_shape, scales=p.to_ours)
+            leaves.append((key, var, hf_fp8.materialize(read, scales, p, shape, target, var, shardings)))
+            continue
         leaves.append((key, var, _materialize(read, shape, target, var, shardings)))
     model = nnx.merge(graphdef, nnx.from_flat_state([(k, v.replace(value)) for k, v, value in leaves]))
     if options is not None and options.lora is not None:
@@ -459,6 +485,8 @@ def _hf_tensors(model: GlmMoeDsa, *, merge_adapters: bool = False) -> list[tuple
     one tensor at a time: one layer's slice of a stacked kernel, one expert's of the routed experts."""
     cfg = model.cfg
     values = {k: v.get_value() for k, v in nnx.to_flat_state(nnx.state(model))}
+    if any(isinstance(v, Fp8Weight) for v in values.values()):
+        raise ValueError("saving a model with FP8 base weights is not supported yet (load the BF16 release)")
     adapters = kernel_adapters(model) if merge_adapters else {}
     out: list[tuple[str, LazyTensor]] = []
 

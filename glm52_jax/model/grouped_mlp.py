@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from glm52_jax.kernels import use_pallas
 from glm52_jax.kernels.grouped_matmul import grouped_matmul, supported
+from glm52_jax.model import fp8
 from glm52_jax.model.lora import Adapter
 
 LoRAArrays = tuple[jax.Array, jax.Array, float]  # (A [E,in,r], B [E,r,out], scale = alpha / r)
@@ -95,8 +96,10 @@ def grouped_swiglu(xs_sorted: jax.Array, group_sizes: jax.Array, w_gate: jax.Arr
     lora: None, or (gate, up, down), each None or `LoRAArrays`. The SwiGLU product is rounded to
     w_down's dtype before the down projection. kernels: a `ModelOptions.kernels` value; where it selects
     the Pallas kernels (and the shapes suit it) the matmuls run on the grouped-matmul kernel; rows_hint:
-    the rows expected to be in groups (default M; plan mode's FLOP count of the kernel).
+    the rows expected to be in groups (default M; plan mode's FLOP count of the kernel). A kernel may be an
+    `fp8.Fp8Weight` ([E,...] e4m3 + per-expert block scales): dequantized here, on the experts this call holds.
     """
+    w_gate, w_up, w_down = fp8.dense(w_gate), fp8.dense(w_up), fp8.dense(w_down)
     lora_gate, lora_up, lora_down = lora or (None, None, None)
     xs = xs_sorted.astype(w_gate.dtype)
     kernel = (use_pallas(kernels) and supported(xs.shape, w_gate.shape, w_gate.dtype)

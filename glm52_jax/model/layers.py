@@ -3,10 +3,13 @@ few-token call, keeping them in place: `parallel.tensor_parallel`)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from glm52_jax.model import fp8
 from glm52_jax.parallel import tensor_parallel
 from glm52_jax.parallel.rules import STACK_AXIS, Split, fsdp_split, gather_weight
 
@@ -51,9 +54,13 @@ def kept_split(var: nnx.Variable) -> Split | None:
     return fsdp_split(weight_axes(var), value.shape)
 
 
-def gathered_value(var: nnx.Variable) -> jax.Array:
-    """A base weight's value at its logical sharding: its FSDP shards all-gathered (`rules.gather_weight`)."""
-    return gather_weight(var.get_value(), weight_axes(var))
+def gathered_value(var: nnx.Variable) -> jax.Array | fp8.Fp8Weight:
+    """A base weight's value at its logical sharding: its FSDP shards all-gathered (`rules.gather_weight`).
+    An FP8 weight's e4m3 values travel (one byte per element); its scales are never FSDP-sharded."""
+    value = var.get_value()
+    if isinstance(value, fp8.Fp8Weight):
+        return dataclasses.replace(value, values=gather_weight(value.values, weight_axes(var)))
+    return gather_weight(value, weight_axes(var))
 
 
 def gather_params(state: nnx.State) -> nnx.State:
@@ -106,9 +113,10 @@ def project(x: jax.Array, kernel: nnx.Param, spec: str, lora=None) -> jax.Array:
     `lora`: None, or a callable `(x, spec) -> float32 delta` (a `lora.Adapter`), added to the
     float32 accumulator before the cast. A kernel a few-token call keeps FSDP-sharded (`kept_split`)
     is used tensor-parallel (`tensor_parallel.einsum`); the LoRA delta is computed on the whole x either
-    way (adapters are not FSDP-sharded).
+    way (adapters are not FSDP-sharded). An FP8 kernel (`fp8.Fp8Weight`) is dequantized here, elementwise on
+    the part this program holds (a kept kernel: each device its own shard, so nothing more moves).
     """
-    w = kernel[...]
+    w = fp8.dense(kernel.get_value())
     x = x.astype(w.dtype)
     split = kept_split(kernel)
     if split is None:

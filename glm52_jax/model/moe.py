@@ -100,7 +100,8 @@ class MoE(nnx.Module):
         # float32 router through `project` (a few tokens' call keeps it in place, as the other weights)
         logits = project(flat.astype(jnp.float32), self.router, "td,de->te")
         weights, experts = route(self.cfg, logits, self.e_score_correction_bias[...])
-        expert_weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        # Arrays, or `fp8.Fp8Weight`s that `grouped_swiglu` dequantizes on the experts it runs (EP: the local ones).
+        expert_weights = (self.w_gate.get_value(), self.w_up.get_value(), self.w_down.get_value())
         lora = (self.w_gate_lora, self.w_up_lora, self.w_down_lora)
         shards = token_shards(self.cfg.n_routed_experts)
         if shards:

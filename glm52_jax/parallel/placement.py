@@ -5,6 +5,12 @@
 base weights FSDP-sharded when the rules ask for it (`rules.weight_spec`). It builds each array from the
 host value with `make_array_from_callback`, so under `jax.distributed` every process supplies
 only its own devices' slices (all processes must hold the same host values, e.g. the same seed).
+
+A base weight may be held as several arrays (an FP8 weight, `model.fp8.Fp8Weight`: e4m3 values of the
+weight's shape plus per-block scales): its leaves of the weight's shape are placed like the weight, the others
+by the weight's logical axes on the dims of the same size (unblocked: layers, experts) and whole on the rest,
+never FSDP-sharded: a block dim's shards need not line up with the weight's, and the scales are 1/(b0 x b1)
+of the elements (replicated: 1/4096 of the e4m3 bytes per device for 128 x 128 blocks).
 """
 
 from __future__ import annotations
@@ -22,12 +28,24 @@ from glm52_jax.parallel.rules import logical_to_spec, weight_spec
 
 def sharding_for(var: nnx.Variable, mesh: jax.sharding.Mesh) -> NamedSharding:
     """The NamedSharding of one model variable (a real or abstract one) under the active rules table: its
-    logical axes' spec; a frozen base weight (`nnx.Param`, not LoRA) also takes the FSDP axes (`weight_spec`)."""
+    logical axes' spec; a frozen base weight (`nnx.Param`, not LoRA) also takes the FSDP axes (`weight_spec`).
+    A weight held as several arrays gets the same tree of NamedShardings (see the module doc)."""
     value = var.get_value()
-    axes = var.get_metadata().get("out_sharding") or (None,) * len(value.shape)
-    if isinstance(var, nnx.Param):
-        return NamedSharding(mesh, weight_spec(axes, value.shape, mesh))
-    return NamedSharding(mesh, logical_to_spec(axes, mesh_axes=mesh.axis_names))
+    shape = tuple(value.shape)
+    axes = var.get_metadata().get("out_sharding") or (None,) * len(shape)
+    logical = logical_to_spec(axes, mesh_axes=mesh.axis_names)
+    if not isinstance(var, nnx.Param):
+        return NamedSharding(mesh, logical)
+    weight = NamedSharding(mesh, weight_spec(axes, shape, mesh))
+    if jax.tree_util.treedef_is_leaf(jax.tree.structure(value)):
+        return weight
+
+    def part(leaf):  # a weight held as several arrays: see the module doc
+        if tuple(leaf.shape) == shape:
+            return weight
+        return NamedSharding(mesh, PartitionSpec(*[s if n == m else None for s, n, m in
+                                                   zip(tuple(logical) + (None,) * len(shape), leaf.shape, shape)]))
+    return jax.tree.map(part, value)
 
 
 def place_model(model: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
@@ -35,14 +53,16 @@ def place_model(model: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
     graphdef, state = nnx.split(model)
     leaves = []
     for key, var in nnx.to_flat_state(state):
-        value, target = var.get_value(), sharding_for(var, mesh)
-        if isinstance(value, jax.Array) and value.sharding == target:
-            leaves.append((key, var))  # already placed (e.g. load_pretrained(shardings=mesh)): no host copy
-            continue
-        host = np.asarray(jax.device_get(value))
-        placed = jax.make_array_from_callback(host.shape, target, lambda index, h=host: h[index])
+        placed = jax.tree.map(_place, var.get_value(), sharding_for(var, mesh))
         leaves.append((key, var.replace(placed)))
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+
+
+def _place(value, target: NamedSharding) -> jax.Array:
+    if isinstance(value, jax.Array) and value.sharding == target:
+        return value  # already placed (e.g. load_pretrained(shardings=mesh)): no host copy
+    host = np.asarray(jax.device_get(value))
+    return jax.make_array_from_callback(host.shape, target, lambda index: host[index])
 
 
 def to_host(tree: Any) -> Any:

@@ -553,12 +553,13 @@ def test_error_corrupt_byte_range(tmp_path, hf_tensors, cfg):
         _load(path)
 
 
-def test_error_fp8_checkpoint(tmp_path, hf_tensors, cfg):
+def test_error_fp8_scales_without_quantization_config(tmp_path, hf_tensors, cfg):
+    """FP8 checkpoints load (tests/checkpoint/test_hf_fp8.py), but only with config.json's quantization_config."""
     name = "model.layers.1.self_attn.q_a_proj.weight"
     tensors = dict(hf_tensors, **{name: hf_tensors[name].astype(ml_dtypes.float8_e4m3fn).view(np.uint8),
                                   name + "_scale_inv": np.ones((1, 1), np.float32)})
-    _error_case(tmp_path, tensors, cfg, r"FP8 checkpoints \(e\.g\. '.*weight_scale_inv'\) are not supported; "
-                                        r"use the BF16 release")
+    _error_case(tmp_path, tensors, cfg, rf"tensor '{re.escape(name)}_scale_inv' is an FP8 block scale, but "
+                                        r"config.json has no quantization_config")
 
 
 def test_error_no_safetensors(tmp_path, cfg):
