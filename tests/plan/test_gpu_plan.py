@@ -115,6 +115,7 @@ def test_transaction_programs_on_two_hosts():
     assert report["programs"]["decode"]["flops"]["flops_executed"] > 0
 
 
+@pytest.mark.slow  # two deviceless compiles (~26 s); tests/parallel/test_xla_options.py covers the options in CI
 def test_cross_host_exchange_options_reach_the_compiler():
     """model.moe_cross_host="nccl": the MoE's ragged all-to-all stays one exchange of the exact rows instead of
     XLA's multi-host decomposition (an all-gather of every device's send rows across the 2 hosts); the options
