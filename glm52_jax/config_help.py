@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from glm52_jax.run_config import flatten
+
 DEFAULTS_SOURCE = Path(__file__).with_name("run_defaults.py")
 _FUNCTION = "get_config"
 _WIDTH = 110
@@ -60,20 +62,10 @@ def key_comments(source: str | None = None) -> dict[str, str]:
     return found
 
 
-def _flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in values.items():
-        if isinstance(value, Mapping):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[prefix + key] = value
-    return out
-
-
 def format_help(config: Mapping[str, Any], defaults: Mapping[str, Any], comments: Mapping[str, str]) -> str:
     """The listing, in run_defaults.py's order: per section its comment, then each key as `key = value` (plus
     `(default X)` where the loaded config changes it) and its meaning, wrapped, below it."""
-    values, default_values = _flatten(config), _flatten(defaults)
+    values, default_values = flatten(config), flatten(defaults)
     order = [k for k in comments if k in values] + [k for k in values if k not in comments]
     out = ["Config keys: set any with --config.<key>=<value>. Values of the loaded config (--config=FILE); defaults",
            "and meanings from glm52_jax/run_defaults.py."]
