@@ -25,7 +25,7 @@ Two transports (`impl`):
   `lax.all_to_all`. Each device sends every destination a buffer of C = T_local*K rows, the worst
   case (all of its pairs to one device), so it is dropless by construction. With a
   `receive_capacity`, chunks of receive_capacity x T_local*K/N rows instead, in passes as for the
-  ragged transport below (`_dense_passes`). Memory per device and
+  ragged transport below (`_dense_body`). Results travel back in the activations' dtype. Memory per device and
   per MoE layer: send and receive buffers of N*C*D activations each (N times the
   T_local*K*D of the ragged path), plus the expert intermediates over the N*C received rows
   (`[N*C, I]` for gate and up). Padding rows carry the sentinel local id E/N, sort after the real
@@ -138,30 +138,21 @@ def _dispatch_plan(experts: jax.Array, n_local: int, n_dev: int):
     return order, dest, slot, counts, starts, (sorted_e % n_local).astype(jnp.int32)
 
 
-def _dense_body(x, weights, experts, w_gate, w_up, w_down, lora, *, axis, n_dev, kernels, receive_capacity=0.0):
-    """Per-device body of the fixed-capacity all-to-all path (see the module docstring). `receive_capacity` 0:
-    chunks sized for the worst case; else bounded chunks in passes (`_dense_passes`)."""
-    tokens, k = experts.shape
-    n_local = w_gate.shape[0]
-    if receive_capacity:
-        return _dense_passes(x, weights, experts, w_gate, w_up, w_down, lora, axis=axis, n_dev=n_dev,
-                             kernels=kernels, receive_capacity=receive_capacity)
-    cap = tokens * k  # C: worst case, all L*K local pairs to one destination -> dropless
-    order, dest, slot, _, _, local = _dispatch_plan(experts, n_local, n_dev)
-    token_of = order // k
-    # Send buffers [N,C,D] / [N,C]; unused slots keep the padding id El.
-    send = jnp.zeros((n_dev, cap, x.shape[-1]), x.dtype).at[dest, slot].set(x[token_of])
-    send_ids = jnp.full((n_dev, cap), n_local, jnp.int32).at[dest, slot].set(local)
-    # all_to_all: chunk n of the sender's axis 0 goes to device n; the receiver stacks the chunks by
-    # source on axis 0, so recv[s] is what device s sent here.
-    recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)
-    recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0, tiled=True)
-    y = _local_experts(recv.reshape(n_dev * cap, -1), recv_ids.reshape(-1), n_local, w_gate, w_up, w_down, lora,
-                       kernels, cap)
-    # Send every result back to the slot it came from; back[d, c] answers send[d, c].
-    back = jax.lax.all_to_all(y.reshape(n_dev, cap, -1), axis, 0, 0, tiled=True)
-    y_pairs = back[dest, slot] * weights.reshape(-1)[order][:, None]
-    return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(y_pairs)
+def _with_scales(lora_ab, scales):
+    """The (A, B, scale) triples `_local_experts` takes, from the adapter arrays and their static scales."""
+    return tuple(None if ab is None else (*ab, sc) for ab, sc in zip(lora_ab, scales, strict=True))
+
+
+def _exchange(one_pass, passes, single: bool, diff, ints):
+    """`one_pass(0, ...)` when a single pass holds every row (`single`, static), else the sum over `passes`."""
+    return one_pass(0, diff, ints) if single else _sum_of_passes(one_pass, passes, diff, ints)
+
+
+def _combine(back, weights, order, token_of, tokens: int):
+    """Per-pair results `back: [L*K,D]` (expert-sorted) weighted by their routing weights and summed per
+    token -> `[L,D]` float32."""
+    y_pairs = back.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((tokens, back.shape[-1]), jnp.float32).at[token_of].add(y_pairs)
 
 
 def _sum_of_passes(term, count, diff, ints):
@@ -196,40 +187,40 @@ def _sum_of_passes(term, count, diff, ints):
     return run(count, diff, ints)
 
 
-def _dense_passes(x, weights, experts, w_gate, w_up, w_down, lora, *, axis, n_dev, kernels, receive_capacity):
-    """The dense transport with chunks of `ceil(receive_capacity * L*K / N)` rows per destination (balanced
-    routing sends each destination L*K/N rows on average) instead of the worst case's L*K: pass p carries
-    rows [p*c, (p+1)*c) of every (source, destination) chunk; as many passes as the fullest chunk on any
-    device needs (`_sum_of_passes`), so nothing is dropped. Plain `all_to_all`s of fixed shape: the
-    collective every backend runs, across hosts too. Results travel back in the activations' dtype."""
+def _dense_body(x, weights, experts, w_gate, w_up, w_down, lora_ab, *, lora_scales, axis, n_dev, kernels,
+                receive_capacity=0.0):
+    """Per-device body of the fixed-size `all_to_all` transport (see the module docstring): chunks of c rows
+    per destination, c = L*K (the worst case, one pass) or `ceil(receive_capacity * L*K / N)` (balanced routing
+    sends each destination L*K/N rows on average); pass p carries rows [p*c, (p+1)*c) of every (source,
+    destination) chunk, as many passes as the fullest chunk on any device needs (`_sum_of_passes`)."""
     tokens, k = experts.shape
     n_local = w_gate.shape[0]
     rows = tokens * k
-    cap = min(rows, max(MIN_CHUNK_ROWS, math.ceil(receive_capacity * rows / n_dev)))
+    cap = rows if receive_capacity == 0 else min(rows, max(MIN_CHUNK_ROWS, math.ceil(receive_capacity * rows / n_dev)))
     order, dest, slot, counts, _, local = _dispatch_plan(experts, n_local, n_dev)
     token_of = order // k
-    scales = tuple(None if t is None else t[2] for t in lora)
 
     def one_pass(p, diff, ints):
         xs, w_gate, w_up, w_down, lora_ab = diff
         dest, slot, local = ints
-        lora_p = tuple(None if ab is None else (*ab, s) for ab, s in zip(lora_ab, scales, strict=True))
         # Row j of this pass's chunk for d; rows outside the window go to the out-of-range slot `cap` (dropped).
+        # Unused slots keep the padding id El. all_to_all: chunk n of the sender's axis 0 goes to device n; the
+        # receiver stacks the chunks by source, so recv[s] is what device s sent here.
         window = jnp.where((slot >= p * cap) & (slot < (p + 1) * cap), slot - p * cap, cap)
         send = jnp.zeros((n_dev, cap, xs.shape[-1]), xs.dtype).at[dest, window].set(xs, mode="drop")
         send_ids = jnp.full((n_dev, cap), n_local, jnp.int32).at[dest, window].set(local, mode="drop")
         recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)
         recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0, tiled=True)
         y = _local_experts(recv.reshape(n_dev * cap, -1), recv_ids.reshape(-1), n_local, w_gate, w_up, w_down,
-                           lora_p, kernels, rows).astype(xs.dtype)
+                           _with_scales(lora_ab, lora_scales), kernels, rows).astype(xs.dtype)
+        # Every result back to the slot it came from; back[d, c] answers send[d, c].
         back = jax.lax.all_to_all(y.reshape(n_dev, cap, -1), axis, 0, 0, tiled=True)
         return jnp.where((window < cap)[:, None], back[dest, jnp.minimum(window, cap - 1)], 0)
 
-    lora_ab = tuple(None if t is None else t[:2] for t in lora)
     passes = jnp.maximum(1, (jax.lax.pmax(jnp.max(counts), axis) + cap - 1) // cap).astype(jnp.int32)
-    back = _sum_of_passes(one_pass, passes, (x[token_of], w_gate, w_up, w_down, lora_ab), (dest, slot, local))
-    y_pairs = back.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-    return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(y_pairs)
+    back = _exchange(one_pass, passes, cap == rows, (x[token_of], w_gate, w_up, w_down, lora_ab),
+                     (dest, slot, local))
+    return _combine(back, weights, order, token_of, tokens)
 
 
 def _pass_windows(counts_all: jax.Array, p, capacity: int):
@@ -248,7 +239,8 @@ def _pass_windows(counts_all: jax.Array, p, capacity: int):
     return size, skip, landing
 
 
-def _ragged_body(x, weights, experts, w_gate, w_up, w_down, lora, *, axis, n_dev, kernels, receive_capacity=0.0):
+def _ragged_body(x, weights, experts, w_gate, w_up, w_down, lora_ab, *, lora_scales, axis, n_dev, kernels,
+                 receive_capacity=0.0):
     """Per-device body of the `ragged_all_to_all` path (GPU; XLA:CPU cannot compile it)."""
     tokens, k = experts.shape
     n_local = w_gate.shape[0]
@@ -260,8 +252,6 @@ def _ragged_body(x, weights, experts, w_gate, w_up, w_down, lora, *, axis, n_dev
     worst = n_dev * rows  # every device's pairs come here
     capacity = worst if receive_capacity == 0 else min(worst, max(n_dev * MIN_CHUNK_ROWS,
                                                                   math.ceil(receive_capacity * rows)))
-    lora_arrays_ = tuple(None if t is None else t[:2] for t in lora)
-    scales = tuple(None if t is None else t[2] for t in lora)
 
     def one_pass(p, diff, ints):
         xs, w_gate, w_up, w_down, lora_ab = diff
@@ -270,7 +260,6 @@ def _ragged_body(x, weights, experts, w_gate, w_up, w_down, lora, *, axis, n_dev
         # starts_all[s, d]: the first row of s's chunk for d in s's expert-sorted rows.
         starts_all = jnp.cumsum(counts_all, axis=1) - counts_all
         size, skip, landing = _pass_windows(counts_all, p, capacity)
-        lora_p = tuple(None if ab is None else (*ab, s) for ab, s in zip(lora_ab, scales, strict=True))
         send_sizes, send_from, send_to = size[me], starts_all[me] + skip[me], landing[me]  # [N] by destination
         recv_sizes, recv_at = size[:, me], landing[:, me]  # [N] by source
         recv = jax.lax.ragged_all_to_all(xs, jnp.zeros((capacity, xs.shape[-1]), xs.dtype), send_from, send_sizes,
@@ -278,22 +267,18 @@ def _ragged_body(x, weights, experts, w_gate, w_up, w_down, lora, *, axis, n_dev
         recv_ids = jax.lax.ragged_all_to_all(local, jnp.full((capacity,), n_local, jnp.int32), send_from,
                                              send_sizes, send_to, recv_sizes, axis_name=axis)
         # Results go back in the activations' dtype (bf16 payload on the real run).
-        y = _local_experts(recv, recv_ids, n_local, w_gate, w_up, w_down, lora_p, kernels, rows).astype(xs.dtype)
+        y = _local_experts(recv, recv_ids, n_local, w_gate, w_up, w_down, _with_scales(lora_ab, lora_scales),
+                           kernels, rows).astype(xs.dtype)
         # Reverse: the rows received from s go back to s, where they were taken from there.
         back_to = starts_all[:, me] + skip[:, me]
         return jax.lax.ragged_all_to_all(y, jnp.zeros((rows, y.shape[-1]), y.dtype), recv_at, recv_sizes, back_to,
                                          send_sizes, axis_name=axis)
 
-    diff = (x[token_of], w_gate, w_up, w_down, lora_arrays_)
-    ints = (local, counts_all)
-    if capacity == worst:  # one pass always
-        back = one_pass(0, diff, ints)
-    else:
-        most = jnp.max(jnp.sum(counts_all, axis=0))  # the busiest destination's rows
-        passes = jnp.maximum(1, (most + capacity - 1) // capacity).astype(jnp.int32)
-        back = _sum_of_passes(one_pass, passes, diff, ints)
-    y_pairs = back.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-    return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(y_pairs)
+    most = jnp.max(jnp.sum(counts_all, axis=0))  # the busiest destination's rows
+    passes = jnp.maximum(1, (most + capacity - 1) // capacity).astype(jnp.int32)
+    back = _exchange(one_pass, passes, capacity == worst, (x[token_of], w_gate, w_up, w_down, lora_ab),
+                     (local, counts_all))
+    return _combine(back, weights, order, token_of, tokens)
 
 
 def experts_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array,
@@ -350,11 +335,9 @@ def experts_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax
     body = _dense_body if impl == "dense" else _ragged_body
 
     def per_device(x, weights, experts, w_gate, w_up, w_down, lora_ab):
-        lora_local = tuple(None if ab is None else (*ab, s) for ab, s in zip(lora_ab, lora_scales, strict=True))
-
         def run(x, weights, experts):
-            return body(x, weights, experts, w_gate, w_up, w_down, lora_local, axis=expert_axis, n_dev=n_dev,
-                        kernels=kernels, receive_capacity=receive_capacity)
+            return body(x, weights, experts, w_gate, w_up, w_down, lora_ab, lora_scales=lora_scales, axis=expert_axis,
+                        n_dev=n_dev, kernels=kernels, receive_capacity=receive_capacity)
 
         local = x.shape[0]
         if token_block is None or local <= token_block:

@@ -15,13 +15,17 @@ from glm52_jax.plan.abstract import cache_bytes, tree_bytes, ways
 from glm52_jax.plan.programs import PlanSetup
 
 
+def _flops_per_pair(cfg) -> int:
+    """The indexer's score FLOPs per (query, visible key) pair: 2 * heads * head dim per 'full' layer."""
+    return 2 * cfg.index_n_heads * cfg.index_head_dim * sum(t == "full" for t in cfg.indexer_types)
+
+
 def indexer_analytic(s: PlanSetup) -> dict[str, Any]:
     """Model FLOPs of the DSA indexer's q.k scores, which sit inside data-dependent key loops that
     the HLO count sees once: 2 * index_n_heads * index_head_dim per (query, visible key) pair per
     'full' layer (weighting / ReLU / top-k not counted). Global numbers; an ideal context-parallel
     split divides them by the sequence shards."""
-    cfg = s.cfg
-    per_pair = 2 * cfg.index_n_heads * cfg.index_head_dim * sum(t == "full" for t in cfg.indexer_types)
+    per_pair = _flops_per_pair(s.cfg)
     p, c, rows, r = s.prompt_tokens, s.chunk_size, s.decode_rows, s.max_new_tokens
     return {
         "flops_per_query_key_pair": per_pair,
@@ -43,8 +47,7 @@ def program_indexer_flops(s: PlanSetup, name: str) -> float:
     `indexer_analytic` for that program's (query, visible key) pairs, split evenly over the sequence shards.
     The HLO count misses them (data-dependent key loops, counted once; the Pallas kernel, a custom call), so
     plan mode adds them to the program's compute. 0 for a program without attention (inventory)."""
-    cfg = s.cfg
-    per_pair = 2 * cfg.index_n_heads * cfg.index_head_dim * sum(t == "full" for t in cfg.indexer_types)
+    per_pair = _flops_per_pair(s.cfg)
     if name.startswith("probe_"):
         probe = dataclasses.replace(s, prompt_tokens=s.probe_tokens, probe_tokens=0)
         return program_indexer_flops(probe, name[len("probe_"):]) if s.probe_tokens else 0.0
