@@ -5,7 +5,7 @@
     logp = glm52_jax.token_logprobs(model, input_ids)  # [B, S-1] float32
 
 `forward` and `token_logprobs` run compiled (glm52_jax/compiled.py: one XLA program per model structure and
-shapes, reused by later calls); `model(input_ids)` runs op by op. The exports load on first use, so tools
+shapes, reused by later calls), as does a direct `model(input_ids)` call. The exports load on first use, so tools
 that need no model (the evidence verifier, the roofline) start without importing JAX.
 """
 

@@ -124,22 +124,18 @@ def _spec():
 
 
 def _forward(spec) -> dict:
-    import jax
     import jax.numpy as jnp
     import numpy as np
-    from flax import nnx
 
-    from glm52_jax.model.transformer import token_logprobs
+    from glm52_jax.compiled import token_logprobs
     from glm52_jax.rl.inputs import RunInputs, model_config
     from glm52_jax.rl.policy import build_base
 
     cfg, scaling, _, _ = model_config(spec.model)
     model = build_base(spec, RunInputs(spec, cfg, scaling, tokenizer=None, rows=[], first_prompts=[]))
     ids = np.random.default_rng(spec.seed).integers(0, model.cfg.vocab_size, (1, FLAGS.seq_len))
-    graphdef, state = nnx.split(model)
     start = time.perf_counter()
-    logprobs = jax.jit(lambda s, x: token_logprobs(nnx.merge(graphdef, s), x))
-    out = np.asarray(logprobs(state, jnp.asarray(ids, jnp.int32)))
+    out = np.asarray(token_logprobs(model, jnp.asarray(ids, jnp.int32)))  # one compiled program
     if not np.isfinite(out).all():
         raise SystemExit("non-finite log-probs")
     return {"model": spec.model.base_name, "seq_len": FLAGS.seq_len, "mean_token_logprob": float(out.mean()),
@@ -198,6 +194,15 @@ def unfit_message(result: dict) -> str | None:
 
 
 def _run_mode(spec, workdir: str | None) -> dict:
+    if FLAGS.mode in ("plan", "train"):  # plan names each program it compiles; train installs its own, with phases
+        return _dispatch(spec, workdir)
+    from glm52_jax.rl.compile_log import compile_lines
+
+    with compile_lines(_log):  # `compiling <program>...` while a forward, parity or export program compiles
+        return _dispatch(spec, workdir)
+
+
+def _dispatch(spec, workdir: str | None) -> dict:
     command = [sys.executable, "-m", "glm52_jax.launch", *sys.argv[1:]]
     if FLAGS.mode == "forward":
         return _forward(spec)

@@ -1,6 +1,7 @@
 """Launcher command lines that cannot run: one line naming the flag, in seconds, nothing written."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -121,3 +122,15 @@ def test_helpconfig_lists_every_key_with_its_value_and_meaning():
     assert done.returncode == 0, done.stderr
     assert "checkpoint.keep = 5  (default 3)" in done.stdout.splitlines()
     assert "model.dtype = 'bfloat16'  (default 'float32')" in done.stdout.splitlines()
+
+
+def test_forward_mode_says_what_it_compiles():
+    """Compile lines outside train mode too (issue 21): forward mode's one program, named by its function."""
+    done = subprocess.run([sys.executable, "-m", "glm52_jax.launch", "--mode=forward", "--seq_len=64"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "GLM52_COMPILE_LINES_AFTER_S": "0"})
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert "compiling jit(_token_logprobs)..." in lines
+    assert any(line.startswith("compiled jit(_token_logprobs) in ") for line in lines)
+    assert json.loads(done.stdout.strip().splitlines()[-1])["seq_len"] == 64

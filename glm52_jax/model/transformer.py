@@ -12,6 +12,7 @@ Axis letters: B batch, S sequence, D model, V vocab, K indexer top-k.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -363,7 +364,40 @@ class GlmMoeDsa(nnx.Module):
         return out
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """Logits `[B,S,V]` float32 of `input_ids: [B,S]` int32 (positions `[B,S]`, default 0..S-1). Called
+        outside any trace (a user's direct call), it runs as one compiled program (`compiled_call`); inside a
+        jit / grad / nnx transform it traces inline as any layer does."""
+        if not _traced(input_ids, positions, self.embed_tokens.get_value()):
+            return compiled_call(self, input_ids, positions)
+        return self.traced_call(input_ids, positions)
+
+    def traced_call(self, input_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """`model(input_ids, positions)` as ops of the current trace (op by op under `jax.disable_jit()`)."""
         return self.logits(self.hidden_states(input_ids, positions))
+
+
+def _traced(*arrays) -> bool:
+    """Whether any of `arrays` is a tracer: the call is inside a transform (the weights or the ids are traced;
+    an array made inside a jit is a tracer too)."""
+    return any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(arrays))
+
+
+# Traces of the compiled forward in this process: a repeat call with the same shapes must not add one (tested).
+COMPILED_TRACES = [0]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _compiled_forward(graphdef: nnx.GraphDef, state: nnx.State, input_ids: jax.Array, positions: jax.Array | None):
+    COMPILED_TRACES[0] += 1
+    return nnx.merge(graphdef, state).traced_call(input_ids, positions)
+
+
+def compiled_call(model: GlmMoeDsa, input_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    """`model(input_ids, positions)` as one jitted program keyed by the model's structure (the graphdef, a static
+    argument) and the shapes, dtypes and shardings of its weights and inputs: a second call with new weights of
+    the same structure (an optimizer step) reuses it."""
+    graphdef, state = nnx.split(model)
+    return _compiled_forward(graphdef, state, input_ids, positions)
 
 
 def token_logprobs(model: GlmMoeDsa, input_ids: jax.Array, *, chunk: int = 1024) -> jax.Array:

@@ -6,15 +6,18 @@ compiling `announce_after_s` after its lowering started gets a `compiling <name>
 `compiled <name> in T s` line; the many small programs that compile in milliseconds stay silent. Names
 like `jit(<lambda>)` say little, so the line adds the run's phase when the caller gives one.
 Compiles run one at a time in the thread that traced them, so one timer at a time suffices.
+`$GLM52_COMPILE_LINES_AFTER_S` changes the 1 s threshold (0: a line for every compile).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 
+ENV_AFTER_S = "GLM52_COMPILE_LINES_AFTER_S"
 _LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 _COMPILE = "/jax/core/compile/backend_compile_duration"
 
@@ -77,11 +80,14 @@ class CompileReporter:
 
 
 @contextlib.contextmanager
-def compile_lines(log: Callable[[str], None], announce_after_s: float = 1.0,
+def compile_lines(log: Callable[[str], None], announce_after_s: float | None = None,
                   phase: Callable[[], str] | None = None) -> Iterator[CompileReporter]:
-    """Prints `compiling <program> (<phase()>)...` lines through `log` while the block runs."""
+    """Prints `compiling <program> (<phase()>)...` lines through `log` while the block runs, for compiles
+    longer than `announce_after_s` (default `$GLM52_COMPILE_LINES_AFTER_S`, else 1 s)."""
     import jax.monitoring as monitoring
 
+    if announce_after_s is None:
+        announce_after_s = float(os.environ.get(ENV_AFTER_S) or 1.0)
     reporter = CompileReporter(log, announce_after_s, phase)
     monitoring.register_scalar_listener(reporter.on_scalar)
     monitoring.register_event_duration_secs_listener(reporter.on_duration)

@@ -64,6 +64,25 @@ def prefill_progress(event, console: Console, chunk_size: int):
     return progress
 
 
+def decode_progress(console: Console, steps: int, plain_min_steps: int = 64):
+    """Sampler decode callback (`fn(done, steps)`, from inside the compiled decode loop of `steps` steps): a bar
+    on a terminal; in a log, about every 10% of a decode of at least `plain_min_steps` steps. None when neither
+    would show anything (a log and a short decode: each request's timing is in metrics.jsonl anyway), so the
+    decode program then has no host callback at all."""
+    if not console.bars and steps < plain_min_steps:
+        return None
+
+    shown = [0]  # the callbacks are unordered: a late earlier step must not move the bar back
+
+    def progress(done: int, total: int) -> None:
+        if done <= shown[0] and done < total:
+            return
+        shown[0] = 0 if done >= total else done
+        console.progress("decode", done, total, unit="steps", plain_min_total=plain_min_steps)
+
+    return progress
+
+
 def search_progress(event, console: Console, max_candidates: int):
     """The transaction's `event`, plus a candidate-search bar on a terminal (plain logs have a line per
     candidate already), ended when the update starts or the step ends."""
@@ -248,7 +267,8 @@ def _run_steps(inputs: RunInputs, workdir: Path, ckpts, latest: int, expect: dic
         state = RunState(step=0, rng=jax.random.key(spec.seed), cursor=spec.data.first_row, optimizer_steps=0,
                          meta={})
     event("loaded", checkpoint=spec.model.base_name)
-    sampler = settings.sampler(spec.sampling, model, prefill_progress(event, console, spec.sampling.chunk_size))
+    sampler = settings.sampler(spec.sampling, model, prefill_progress(event, console, spec.sampling.chunk_size),
+                               decode_progress(console, spec.sampling.max_new_tokens))
     step_event = search_progress(event, console, spec.search.max_candidates)
     steps = []
     for step in range(state.step + 1, spec.train.steps + 1):

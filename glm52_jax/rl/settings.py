@@ -50,9 +50,11 @@ def sampling_params(sampling: SamplingSpec, stop_token_ids: Sequence[int], seed:
                           num_samples=sampling.per_request, seed=seed)
 
 
-def sampler(sampling: SamplingSpec, model, progress: Callable | None = None):
-    """The policy sampler over `model` with the spec's chunking, cache budget and prefill mode."""
+def sampler(sampling: SamplingSpec, model, progress: Callable | None = None, decode_progress: Callable | None = None):
+    """The policy sampler over `model` with the spec's chunking, cache budget and prefill mode; `progress` gets
+    its prefill chunks, `decode_progress(done, steps)` (if given) every decode step of the compiled loop."""
     from glm52_jax.rollout.sampler import Sampler
 
     return Sampler(model, chunk_size=sampling.chunk_size, prefix_cache_bytes=sampling.prefix_cache_mib_per_device << 20,
-                   progress=progress or (lambda *a: None), prefill_mode=sampling.prefill_mode)
+                   progress=progress or (lambda *a: None), prefill_mode=sampling.prefill_mode,
+                   decode_progress=decode_progress)

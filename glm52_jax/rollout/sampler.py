@@ -130,7 +130,8 @@ def prefill_whole(model: GlmMoeDsa, ids: jax.Array, capacity: int) -> tuple[jax.
 
 def decode_steps(model: GlmMoeDsa, prompt: KVCache, suffix: SuffixCache, h_last: jax.Array, keys: jax.Array,
                  forced: jax.Array | None, *, steps: int, temperature: float, top_k: int, top_p: float,
-                 stop_ids: tuple[int, ...]) -> tuple[jax.Array, jax.Array, SuffixCache]:
+                 stop_ids: tuple[int, ...], on_step: Callable[[int, int], None] | None = None
+                 ) -> tuple[jax.Array, jax.Array, SuffixCache]:
     """`steps` (= N) decode steps for G rows in one `lax.scan` (`Sampler` jits it).
 
     Each step: logits of the current hidden state, a token (sampled at `temperature` after top-k /
@@ -138,6 +139,9 @@ def decode_steps(model: GlmMoeDsa, prompt: KVCache, suffix: SuffixCache, h_last:
     prompt: the batch-1 cache holding the prompt (only read); suffix: the G rows' empty suffix cache of
     >= N slots (the loop carry); h_last: [G,D] hidden state of the last prompt token; keys: [G] PRNG keys
     (step t folds in t); forced: [G,N] int32 ids to feed instead of sampling, or None.
+    on_step: None, or `fn(done, steps)` called on the host after each step (progress of the one compiled
+      loop: a `jax.debug.callback` of the step counter, unordered, so the device does not wait for the host;
+      the callback sees the steps in order of completion, and on one process, the one holding device 0).
     Returns (tokens [G,N] int32, PAD_TOKEN after a row's stop token; log-probs [G,N] float32, 0 there;
     the suffix after the N tokens). Returning the suffix lets a caller that donates it have XLA run the
     loop on the donated buffers (aliased to this output).
@@ -162,6 +166,8 @@ def decode_steps(model: GlmMoeDsa, prompt: KVCache, suffix: SuffixCache, h_last:
         out_logp = jnp.where(done, 0.0, logp)
         done = done | jnp.isin(token, stop)
         h, suffix = model.forward_shared(jnp.where(out_token < 0, 0, out_token)[:, None], prompt, suffix)
+        if on_step is not None:
+            jax.debug.callback(lambda i: on_step(int(i) + 1, steps), t)
         return (suffix, h[:, 0], done), (out_token, out_logp)
 
     done0 = jnp.zeros(h_last.shape[:1], bool)
@@ -174,7 +180,7 @@ class Sampler:
 
     def __init__(self, model: GlmMoeDsa, *, chunk_size: int = 2048, prefix_cache_bytes: int = 1 << 30,
                  capacity_multiple: int = 256, progress: Callable[[int, int, float, float], None] | None = None,
-                 prefill_mode: str = "chunked"):
+                 prefill_mode: str = "chunked", decode_progress: Callable[[int, int], None] | None = None):
         if chunk_size <= 0 or capacity_multiple <= 0:
             raise ValueError("chunk_size and capacity_multiple must be positive")
         if prefill_mode not in PREFILL_MODES:
@@ -196,7 +202,8 @@ class Sampler:
             return prefill_whole(nnx.merge(self.graphdef, state), ids, capacity)
 
         def decode(state, prompt, suffix, h_last, keys, forced, **kw):
-            return decode_steps(nnx.merge(self.graphdef, state), prompt, suffix, h_last, keys, forced, **kw)
+            return decode_steps(nnx.merge(self.graphdef, state), prompt, suffix, h_last, keys, forced,
+                                on_step=decode_progress, **kw)
 
         self._prefill_chunk = jax.jit(chunk, compiler_options=CACHE_COMPILER_OPTIONS)
         self._prefill_whole = jax.jit(whole, static_argnames=("capacity",))

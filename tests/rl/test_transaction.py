@@ -5,6 +5,7 @@ first is killed during step 2's update (after a second process was refused its l
 resumes from the saved settings, then verify and export.
 """
 
+import io
 import json
 import os
 import shutil
@@ -21,7 +22,7 @@ from glm52_jax.evidence import deterministic_view, verify
 from glm52_jax.evidence.publish import result_differences
 from glm52_jax.rl.inputs import resolve
 from glm52_jax.rl.progress import Console
-from glm52_jax.rl.run import prefill_progress, run_online
+from glm52_jax.rl.run import decode_progress, prefill_progress, run_online
 from glm52_jax.rollout.tokenizer import ChatTemplate, default_tokenizer_path
 from glm52_jax.run_config import EMBEDDED_POLICY, ConfigError
 from tests.run_helpers import ROOT, config_spec, readme_commands
@@ -527,6 +528,25 @@ def test_prefill_progress_reaches_the_console_for_long_prompts():
     for done in (100, 200, 256):  # 3 chunks: no console lines
         quiet(done, 256, 1000.0, 0.0)
     assert short == []
+
+
+def test_decode_progress_on_a_terminal_and_in_logs():
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Tty()
+    bar = decode_progress(Console(lambda m: None, tty), steps=16)
+    for done in (1, 3, 2, 16):  # unordered callbacks: the late step 2 does not move the bar back
+        bar(done, 16)
+    drawn = tty.getvalue()
+    assert "decode |" in drawn and "3/16 steps" in drawn and "2/16" not in drawn and drawn.endswith("16/16 steps\n")
+    assert decode_progress(Console(lambda m: None, bars=False), steps=16) is None  # a log, a short decode: no callback
+    lines = []
+    plain = decode_progress(Console(lines.append, bars=False), steps=100)
+    for done in range(1, 101):
+        plain(done, 100)
+    assert len(lines) == 11 and lines[-1] == "decode 100/100 steps (100%)"
 
 
 def test_broken_data_rows_fail_before_any_model_work(tmp_path):

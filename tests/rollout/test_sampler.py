@@ -202,6 +202,21 @@ def test_seeds(sampler):
     assert len({tuple(r) for r in a.tokens}) == 4  # samples within a request differ too
 
 
+def test_decode_progress_reports_every_step_and_changes_no_sample(model, sampler):
+    """The decode loop is one compiled scan: its progress comes from a host callback per step, which must not
+    change what is sampled."""
+    seen = []
+    reporting = Sampler(model, chunk_size=16, capacity_multiple=64, decode_progress=lambda d, n: seen.append((d, n)))
+    prompt = _prompt(SHORT)
+    with_progress = reporting.sample(prompt, SAMPLED)
+    plain = sampler.sample(prompt, SAMPLED)
+    np.testing.assert_array_equal(with_progress.tokens, plain.tokens)
+    np.testing.assert_array_equal(with_progress.logprobs, plain.logprobs)
+    jax.effects_barrier()  # unordered callbacks: every one has run after the barrier
+    n = SAMPLED.max_new_tokens
+    assert sorted(seen) == [(d, n) for d in range(1, n + 1)]
+
+
 def test_first_token_distribution_and_truncation(model, sampler):
     """512 one-token samples follow softmax(logits / T) restricted to the top-p nucleus."""
     prompt = _prompt(SHORT)
