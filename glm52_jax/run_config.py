@@ -363,6 +363,7 @@ class PlanSpec(_Section):
 @dataclasses.dataclass(frozen=True)
 class ExportSpec(_Section):
     keep_rope_scaling: bool = _rules()
+    merged_fp8: bool = _rules()
 
 
 _SECTIONS = {"model": ModelSpec, "data": DataSpec, "sampling": SamplingSpec, "search": SearchSpec,

@@ -134,6 +134,7 @@ def get_config() -> ml_collections.ConfigDict:
     # the base checkpoint's native positions. Off by default, as in the seed: the payload is a reversible run-time
     # override, not part of the released model.
     c.export.keep_rope_scaling = False
+    c.export.merged_fp8 = False  # FP8 base: merged/ re-quantized as the base (e4m3 + block scales), not in model.dtype
     return c
 
 

@@ -9,7 +9,11 @@ prediction layers (`model.layers.{N}.*` for N >= num_hidden_layers) are skipped 
 FP8 checkpoints' quantized weights stay e4m3 + block scales on device (`model.fp8`; read by `hf_fp8.py`).
 
 Saving writes per-expert names, sharded with `model.safetensors.index.json` above
-`max_shard_bytes`, into a temporary directory that replaces the files only when complete.
+`max_shard_bytes`, into a temporary directory that replaces the files only when complete. A model with FP8
+base weights is saved dequantized in its parameter dtype (`value x scale`, plus the LoRA delta when merging,
+in float32, rounded once), or with a `quantization` config re-quantized in the release format: each weight
+that is FP8 in the model as e4m3 `weight` + float32 `weight_scale_inv` on HF's [out, in] blocks, quantized
+from the float32 merged tensor (`hf_fp8.quantize_hf`), so the loader reads it back as FP8.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 from glm52_jax.checkpoint import hf_fp8
 from glm52_jax.checkpoint.safetensors_io import LazyTensor, SafetensorsFile, write_safetensors
 from glm52_jax.config import ModelConfig
+from glm52_jax.model import fp8
 from glm52_jax.model.fp8 import Fp8Weight
 from glm52_jax.model.lora import KernelDelta, kernel_adapters, merged_kernel
 from glm52_jax.model.options import ModelOptions
@@ -474,31 +479,74 @@ def host_slice(x, index: tuple[int, ...] = ()) -> np.ndarray:
     return out
 
 
-@functools.partial(jax.jit, static_argnames="kd")
-def _merged_slice(base: jax.Array, a: jax.Array, b: jax.Array, kd: KernelDelta) -> jax.Array:
-    return merged_kernel(base, kd(a, b))
+@functools.partial(jax.jit, static_argnames=("kd", "dtype"))
+def _merged_slice(base, a, b, kd: KernelDelta | None, dtype) -> jax.Array:
+    """One slice of a base kernel plus its LoRA delta `kd(a, b)` when `kd` is given (`merged_kernel`, the
+    arithmetic of `merge_lora`), in `dtype`. An `Fp8Weight` is dequantized in float32 first (`value x scale`), so
+    its merged value is rounded once: to float32 by the sum, then to `dtype`."""
+    if isinstance(base, Fp8Weight):
+        base = fp8.dense(dataclasses.replace(base, dtype=jnp.float32))
+    return (base if kd is None else merged_kernel(base, kd(a, b))).astype(dtype)
 
 
-def _hf_tensors(model: GlmMoeDsa, *, merge_adapters: bool = False) -> list[tuple[str, LazyTensor]]:
+def _local_part(value, index: tuple[int, ...]):
+    """`local_slice` of an array, or of an `Fp8Weight`'s values and scales (its leading dims, the ones `index`
+    takes, are unblocked: the scales have them too)."""
+    if isinstance(value, Fp8Weight):
+        return dataclasses.replace(value, values=local_slice(value.values, index),
+                                   scales=local_slice(value.scales, index))
+    return local_slice(value, index)
+
+
+def _hf_tensors(model: GlmMoeDsa, *, merge_adapters: bool = False,
+                fp8_block: tuple[int, int] | None = None) -> list[tuple[str, LazyTensor]]:
     """Every HF tensor of `model` as a lazily computed host array, in a stable order. Each is read (and with
     `merge_adapters`, merged with its LoRA delta on device: `W + scale * A B`, as `merge_lora` computes it)
-    one tensor at a time: one layer's slice of a stacked kernel, one expert's of the routed experts."""
+    one tensor at a time: one layer's slice of a stacked kernel, one expert's of the routed experts.
+
+    FP8 base weights are dequantized on device and written in their parameter dtype; with `fp8_block` (HF's
+    weight_block_size) each is instead re-quantized from its float32 (merged) HF matrix: the e4m3 `weight`,
+    then its `weight_scale_inv`, both from one computation."""
     cfg = model.cfg
     values = {k: v.get_value() for k, v in nnx.to_flat_state(nnx.state(model))}
-    if any(isinstance(v, Fp8Weight) for v in values.values()):
-        raise ValueError("saving a model with FP8 base weights is not supported yet (load the BF16 release)")
     adapters = kernel_adapters(model) if merge_adapters else {}
     out: list[tuple[str, LazyTensor]] = []
 
     def add(name, shape, dtype, fn):
         out.append((name, LazyTensor(shape, dtype, fn)))
 
-    def host(key, index=()):  # our parameter `key` at leading positions `index`, merged when asked
-        if key not in adapters:
-            return host_slice(values[key], index)
-        node, kd = adapters[key]
-        a, b = (local_slice(v.get_value(), index) for v in (node.a, getattr(node, kd.b)))
-        return host_slice(_merged_slice(local_slice(values[key], index), a, b, kd))
+    def host(key, index=(), dtype=None):
+        """Our parameter `key` at leading positions `index` on the host, merged when asked, an FP8 weight
+        dequantized; in `dtype` (default: the parameter's dtype)."""
+        value = values[key]
+        dtype = value.dtype if dtype is None else jnp.dtype(dtype)
+        if key not in adapters and not isinstance(value, Fp8Weight) and dtype == value.dtype:
+            return host_slice(value, index)
+        a = b = kd = None
+        if key in adapters:
+            node, kd = adapters[key]
+            a, b = (local_slice(v.get_value(), index) for v in (node.a, getattr(node, kd.b)))
+        return host_slice(_merged_slice(_local_part(value, index), a, b, kd, dtype))
+
+    def add_weight(name, shape, keys, to_hf):
+        """HF weight `name` made by `to_hf(host)` from our parameters `keys`: as they are, or re-quantized."""
+        if fp8_block is None or not all(isinstance(values[k], Fp8Weight) for k in keys):
+            add(name, shape, values[keys[0]].dtype, lambda: to_hf(host))
+            return
+        pending = {}  # the scales of the weight just quantized, until the scale tensor (next in order) is read
+
+        def quantized():  # from the float32 merge: rounded to e4m3 once, not first to the parameter dtype
+            return hf_fp8.quantize_hf(to_hf(functools.partial(host, dtype=jnp.float32)), fp8_block)
+
+        def weight():
+            values, pending["scales"] = quantized()
+            return values
+
+        def scales():
+            return pending.pop("scales") if "scales" in pending else quantized()[1]
+
+        add(name, shape, fp8.E4M3, weight)
+        add(name + hf_fp8.SCALE_SUFFIX, tuple(-(-n // b) for n, b in zip(shape, fp8_block)), np.float32, scales)
 
     emb, norm = values[("embed_tokens",)], values[("norm", "weight")]
     add("model.embed_tokens.weight", emb.shape, emb.dtype, lambda: host(("embed_tokens",)))
@@ -521,25 +569,26 @@ def _hf_tensors(model: GlmMoeDsa, *, merge_adapters: bool = False) -> list[tuple
                     continue
                 uk, uv = key_of(("self_attn", "w_uk")), key_of(("self_attn", "w_uv"))
 
-                def kv_b(uk=uk, uv=uv, rep=rep):
-                    k, v = host(uk, (rep,)), host(uv, (rep,))  # [C,H,n], [C,H,v]
+                def kv_b(get, uk=uk, uv=uv, rep=rep):
+                    k, v = get(uk, (rep,)), get(uv, (rep,))  # [C,H,n], [C,H,v]
                     both = np.concatenate([k, v], axis=-1).transpose(1, 2, 0)  # [H, n+v, C]
                     return both.reshape(-1, both.shape[-1])
-                add(name, shapes[name], values[uk].dtype, kv_b)
+                add_weight(name, shapes[name], (uk, uv), kv_b)
                 continue
             key = key_of(lp.path)
-            add(name, shapes[name], values[key].dtype, lambda key=key, rep=rep, f=lp.to_hf: f(host(key, (rep,))))
+            add_weight(name, shapes[name], (key,), lambda get, key=key, rep=rep, f=lp.to_hf: f(get(key, (rep,))))
         if kind[0] == "sparse":
             for rel, proj in _EXPERT_PARAMS.items():
                 key = key_of(rel)
                 for x in range(cfg.n_routed_experts):
                     name = f"{p}mlp.experts.{x}.{proj}.weight"
-                    add(name, shapes[name], values[key].dtype, lambda key=key, rep=rep, x=x: _t(host(key, (rep, x))))
+                    add_weight(name, shapes[name], (key,), lambda get, key=key, rep=rep, x=x: _t(get(key, (rep, x))))
     return out
 
 
 def save_pretrained(model: GlmMoeDsa, path: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30,
-                    config: ModelConfig | None = None, merge_adapters: bool = False, write: bool = True) -> None:
+                    config: ModelConfig | None = None, merge_adapters: bool = False, write: bool = True,
+                    quantization: dict | None = None) -> None:
     """Writes `config.json` and safetensors (per-expert names) that HF transformers loads.
 
     `config` is what config.json records (default: the model's own); it must describe the same
@@ -549,13 +598,25 @@ def save_pretrained(model: GlmMoeDsa, path: str | os.PathLike, *, max_shard_byte
     processes of a run: each tensor is then gathered to every host in turn, so all of them call this,
     and only the one with `write` (process 0) writes; the others just take part in the gathers.
 
+    FP8 base weights (`model.fp8`) are written dequantized in their parameter dtype, and config.json gets no
+    `quantization_config` (one that `config` carries, e.g. the FP8 base's, is dropped); with `quantization`
+    (an FP8 `quantization_config`, e.g. the base checkpoint's) they are re-quantized to e4m3 + block scales on
+    its `weight_block_size` and config.json records it, so `load_pretrained` reads them back as FP8.
+
     Files are written into a temporary directory beside `path` and moved in only when all are
     complete, so an interrupted save leaves any previous checkpoint intact.
     """
     path = os.fspath(path)
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    tensors = _hf_tensors(model, merge_adapters=merge_adapters)
+    written_cfg = hf_fp8.with_quantization(model.cfg if config is None else config, quantization)
+    fp8_block = None
+    if quantization is not None:
+        if not any(isinstance(v.get_value(), Fp8Weight) for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param))):
+            raise ValueError("save_pretrained: a quantization config was given, but the model has no FP8 base "
+                             "weights to write in it (load an FP8 checkpoint, or save without quantization)")
+        fp8_block = hf_fp8.split_quantization(written_cfg)[0].block
+    tensors = _hf_tensors(model, merge_adapters=merge_adapters, fp8_block=fp8_block)
     if not write:
         for _, t in tensors:  # the writer's order: every gather is a collective
             t.materialize()
@@ -573,7 +634,7 @@ def save_pretrained(model: GlmMoeDsa, path: str | os.PathLike, *, max_shard_byte
         size += nbytes
     tmp = tempfile.mkdtemp(prefix=".glm52-save-", dir=parent)
     try:
-        (model.cfg if config is None else config).save_json(os.path.join(tmp, "config.json"))
+        written_cfg.save_json(os.path.join(tmp, "config.json"))
         if len(shards) == 1:
             write_safetensors(os.path.join(tmp, SINGLE_FILE), shards[0])
             names = [SINGLE_FILE]

@@ -16,6 +16,10 @@ block on which HF's block is constant (`_our_block`) and, for each of our blocks
 element (`_our_scales`). For a dim split into heads of size E with HF block b: 1 head x b when E and the
 offset are multiples of b; b/E heads x E when E divides b; else one scale per element of those dims (GLM-5.2's
 kv_b: 448 rows per head, so W_UK / W_UV get [C/128, H, n] scales, still 1/32 of the weight's bytes).
+
+Writing (`quantize_hf`, used by `checkpoint.hf.save_pretrained(..., quantization=...)` for a merged FP8 export):
+an HF `[out, in]` float32 matrix back to e4m3 + `weight_scale_inv` with the release's rule, per block
+scale = amax / 448 (e4m3's largest finite value; 1 for an all-zero block), value = round-to-nearest(w / scale).
 """
 
 from __future__ import annotations
@@ -116,6 +120,31 @@ def check_scales(path: str, info: Callable, scales: set[str], expected: dict[str
         if info(name).dtype in _F8:
             raise ValueError(f"{path}: tensor {name!r} is {info(name).dtype} but has no {name + SCALE_SUFFIX!r}")
     return quantized
+
+
+def with_quantization(cfg: ModelConfig, raw: dict | None) -> ModelConfig:
+    """`cfg` with config.json's `quantization_config` set to `raw` (checked as the loader checks it), or, with
+    None, without one."""
+    extra = {k: v for k, v in cfg.extra if k != QUANT_KEY}
+    if raw is not None:
+        extra[QUANT_KEY] = raw
+    out = dataclasses.replace(cfg, extra=tuple(sorted(extra.items())))
+    split_quantization(out)  # a malformed one fails here, naming the field
+    return out
+
+
+def quantize_hf(w: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """An HF `[out, in]` matrix (float32) -> (float8_e4m3fn values [out, in], float32 `weight_scale_inv`
+    [ceil(out/b0), ceil(in/b1)]): each block's scale is its amax / 448 (1 when the block is all zeros), each
+    value `w / scale` rounded to the nearest e4m3, so `value x scale` is the block's numbers to e4m3's precision."""
+    w = np.asarray(w, np.float32)
+    if w.ndim != 2 or not np.isfinite(w).all():
+        raise ValueError(f"quantize: expected a finite [out, in] matrix, got shape {w.shape}")
+    starts = [np.arange(0, n, b) for n, b in zip(w.shape, block, strict=True)]
+    amax = np.maximum.reduceat(np.maximum.reduceat(np.abs(w), starts[0], axis=0), starts[1], axis=1)
+    scales = np.where(amax > 0, amax / np.float32(fp8.E4M3_MAX), np.float32(1.0)).astype(np.float32)
+    per_element = scales[np.arange(w.shape[0])[:, None] // block[0], np.arange(w.shape[1])[None, :] // block[1]]
+    return (w / per_element).astype(fp8.E4M3), scales
 
 
 def all_or_none(key: tuple, sources: list[str], quantized: set[str]) -> bool:

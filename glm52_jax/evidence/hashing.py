@@ -30,15 +30,11 @@ def state_arrays(state) -> dict[str, Any]:
     An array spread over several processes is all-gathered (a collective: every process of the run
     must call this for the same state)."""
     import numpy as np
-    from flax import nnx
 
+    from glm52_jax.checkpoint.inventory import state_leaves
     from glm52_jax.parallel.placement import to_host
 
-    named = {}
-    for path, var in nnx.to_flat_state(state):
-        value = var.get_value() if hasattr(var, "get_value") else var
-        if hasattr(value, "shape"):
-            named["/".join(map(str, path))] = value
+    named = state_leaves(state)  # the inventory's names: an FP8 weight as its values and scales
     return {name: np.ascontiguousarray(a) for name, a in to_host(named).items()}  # one gather for all
 
 

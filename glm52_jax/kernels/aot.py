@@ -106,10 +106,12 @@ def gpu_mesh(target: str, hosts_by_gpus: str = "1x1x1", axis_names: tuple[str, .
     return topologies.make_mesh(topo, shape, axis_names)
 
 
-def compile_for_gpu(fn, *abstract_args, target: str = "h200", mesh=None, static_argnums=()) -> GpuCompiled:
+def compile_for_gpu(fn, *abstract_args, target: str = "h200", mesh=None, static_argnums=(),
+                    options: dict | None = None) -> GpuCompiled:
     """Compiles `fn(*abstract_args)` (ShapeDtypeStructs, pytrees allowed) for one GPU of `target`.
 
-    Arguments without a sharding are replicated on `mesh` (default: a one-GPU mesh of the target).
+    Arguments without a sharding are replicated on `mesh` (default: a one-GPU mesh of the target); `options`:
+    more XLA compile options (e.g. `{"xla_gpu_enable_triton_gemm": False}` to see the cuBLAS path).
     Raises SharedMemoryError with XLA's message when a kernel's block needs more shared memory
     than the target has. The per-kernel registers come from running ptxas -v on the PTX XLA dumps.
     """
@@ -124,7 +126,8 @@ def compile_for_gpu(fn, *abstract_args, target: str = "h200", mesh=None, static_
 
     args = jax.tree.map(place, abstract_args)
     with tempfile.TemporaryDirectory(prefix="glm52_gpu_aot_") as dump, deviceless_lowering(target):
-        options = {**compiler_options(), "xla_dump_to": dump, "xla_gpu_dump_llvmir": True, "xla_dump_emitter_re": ".*"}
+        options = {**compiler_options(), **(options or {}), "xla_dump_to": dump, "xla_gpu_dump_llvmir": True,
+                   "xla_dump_emitter_re": ".*"}
         try:
             with jax.set_mesh(mesh):
                 compiled = jax.jit(fn, static_argnums=static_argnums).lower(*args).compile(compiler_options=options)

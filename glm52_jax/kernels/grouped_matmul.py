@@ -16,7 +16,16 @@ kernels (`dy @ rhs[g]^T`, no transposed copy: the kernel loads the blocks transp
 gradient (`lhs_g^T dy_g`, only needed when the base weights are trained, which LoRA runs never do) is
 `lax.ragged_dot`'s own transpose, which XLA drops when nothing uses it.
 
-Axis letters: M rows, K contraction, N output columns, G groups, T tiles.
+FP8 kernels (`model.fp8`: e4m3 values + float32 block scales, `grouped_matmul_fp8`) are dequantized inside
+the kernel, block by block as they are loaded: each program reads the e4m3 bytes of its group's blocks and
+the scales of the blocks they fall in, and multiplies `value x scale` in float32, rounded once to the
+compute dtype, as `fp8.dense` does for the whole weight. So the products are those of the kernel on
+`fp8.dense(rhs)`, without the dequantized copy of every local expert's kernels that `fp8.dense` writes to
+HBM (2.4 GB of bf16 per layer for GLM-5.2's 32 experts per device at EP 8) and reads back.
+The frozen FP8 kernels get no gradient (zeros, which XLA drops); the rows' gradient is the transposed
+kernel, dequantized the same way.
+
+Axis letters: M rows, K contraction, N output columns, G groups, T tiles; SK, SN the scale grid of K, N.
 """
 
 from __future__ import annotations
@@ -73,9 +82,11 @@ def _precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
-def _kernel(table_ref, lhs_ref, rhs_ref, zeros_ref, out_ref, *, num_groups, block_m, block_k, block_n, steps,
-            transpose_rhs):
-    del zeros_ref  # aliased to out_ref: rows no tile stores stay zero
+def _kernel(table_ref, lhs_ref, rhs_ref, *refs, num_groups, block_m, block_k, block_n, steps, transpose_rhs,
+            scale_block, dtype):
+    # refs: (scales, zeros, out) for an FP8 rhs (scale_block set), else (zeros, out); zeros is aliased to
+    # out: rows no tile stores stay zero.
+    scales_ref, out_ref = (refs[0], refs[2]) if scale_block else (None, refs[1])
     t, j = pl.program_id(0), pl.program_id(1)
     g, first, end = table_ref[0, t], table_ref[1, t], table_ref[2, t]
     rows = first + jnp.arange(block_m, dtype=jnp.int32)
@@ -85,57 +96,79 @@ def _kernel(table_ref, lhs_ref, rhs_ref, zeros_ref, out_ref, *, num_groups, bloc
     # value back, then never collides with a live row of the same store.
     rows = rows % lhs_ref.shape[0]
     cols = j * block_n + jnp.arange(block_n, dtype=jnp.int32)
-    dtype = rhs_ref.dtype
     precision = _precision(dtype)
     # rhs_ref: the kernels flattened to [G*K, N] (or [G*N, K] when transposed); group g's rows start at
     # g * rows_per_group (one indexer per load: the Triton lowering takes no nested `.at`).
     base = g * (rhs_ref.shape[0] // num_groups)
 
+    def weights(r, c):
+        """rhs[g][r, c] (`r`, `c`: index arrays on the rhs's own [K, N] dims) in the compute dtype; an FP8
+        block dequantized by the scales of the blocks its elements fall in (scales: [G*SK, SN])."""
+        w = plgpu.load(rhs_ref.at[base + r, c])
+        if not scale_block:
+            return w
+        s = plgpu.load(scales_ref.at[g * (scales_ref.shape[0] // num_groups) + r // scale_block[0],
+                                     c // scale_block[1]])
+        return (w.astype(jnp.float32) * s).astype(dtype)
+
     def body(step, acc):
         ks = step * block_k + jnp.arange(block_k, dtype=jnp.int32)
         x = plgpu.load(lhs_ref.at[rows[:, None], ks[None, :]], mask=live[:, None], other=0).astype(dtype)
         if transpose_rhs:  # rhs[g]: [N, K]; the block [block_n, block_k] used transposed
-            w = plgpu.load(rhs_ref.at[base + cols[:, None], ks[None, :]])
+            w = weights(cols[:, None], ks[None, :])
             return acc + jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                                              precision=precision)
-        w = plgpu.load(rhs_ref.at[base + ks[:, None], cols[None, :]])
+        w = weights(ks[:, None], cols[None, :])
         return acc + jnp.dot(x, w, preferred_element_type=jnp.float32, precision=precision)
 
     acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_m, block_n), jnp.float32))
     plgpu.store(out_ref.at[rows[:, None], cols[None, :]], acc.astype(out_ref.dtype), mask=live[:, None])
 
 
-def _call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, block_m, rows_hint):
-    """`lhs: [M, K]`, `rhs: [G, K, N]` (or `[G, N, K]` with transpose_rhs) -> `[M, N]` out_dtype."""
+def _call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, block_m, rows_hint, scales=None, scale_block=None,
+          dtype=None):
+    """`lhs: [M, K]`, `rhs: [G, K, N]` (or `[G, N, K]` with transpose_rhs) -> `[M, N]` out_dtype.
+
+    FP8: `rhs` e4m3 with `scales: [G, SK, SN]` float32 over blocks `scale_block` of rhs's own last two dims,
+    dequantized to `dtype` in the kernel; else `rhs` is in the compute dtype (`dtype` = rhs.dtype)."""
     m, k = lhs.shape
     if m < block_m:  # the tile must fit in the rows (see `_kernel`); pad rows belong to no group
         out = _call(jnp.pad(lhs, ((0, block_m - m), (0, 0))), rhs, group_sizes, transpose_rhs=transpose_rhs,
-                    out_dtype=out_dtype, block_m=block_m, rows_hint=rows_hint)
+                    out_dtype=out_dtype, block_m=block_m, rows_hint=rows_hint, scales=scales,
+                    scale_block=scale_block, dtype=dtype)
         return out[:m]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     block_k, block_n = _block(k, 64), _block(n, 128)
     table = tile_table(group_sizes, m, block_m)
     kernel = functools.partial(_kernel, num_groups=rhs.shape[0], block_m=block_m, block_k=block_k,
-                               block_n=block_n, steps=k // block_k, transpose_rhs=transpose_rhs)
+                               block_n=block_n, steps=k // block_k, transpose_rhs=transpose_rhs,
+                               scale_block=None if scales is None else tuple(scale_block),
+                               dtype=jnp.dtype(rhs.dtype if dtype is None else dtype))
     rhs = rhs.reshape(-1, rhs.shape[-1])
+    operands = [table, lhs, rhs]
+    if scales is not None:
+        operands.append(scales.astype(jnp.float32).reshape(-1, scales.shape[-1]))
+    operands.append(jnp.zeros((m, n), out_dtype))
     whole = lambda shape: pl.BlockSpec(shape, lambda t, j: (0,) * len(shape))  # noqa: E731
+    rows = min(rows_hint, m)
+    fp8 = "" if scales is None else "_fp8"
     return pl.pallas_call(
         kernel,
         grid=(table.shape[1], n // block_n),
-        in_specs=[whole(table.shape), whole(lhs.shape), whole(rhs.shape), whole((m, n))],
+        in_specs=[whole(x.shape) for x in operands],
         out_specs=whole((m, n)),
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
-        input_output_aliases={3: 0},
+        input_output_aliases={len(operands) - 1: 0},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
         interpret=kernels.interpret(),
         # The name carries the rows expected to be live: plan mode (plan/hlo.py) counts the kernel's FLOPs
         # from it (a worst-case-sized EP receive buffer is mostly empty tiles).
         # The live rows read and written, each group's kernel block read (once per group: its tiles run
-        # together), the zero-initialised output written once.
-        name=kernels.traffic_name(f"grouped_matmul{'_t' if transpose_rhs else ''}_rows{min(rows_hint, m)}",
-                                  min(rows_hint, m) * (k * lhs.dtype.itemsize + n * jnp.dtype(out_dtype).itemsize)
-                                  + rhs.nbytes + m * n * jnp.dtype(out_dtype).itemsize),
-    )(table, lhs, rhs, jnp.zeros((m, n), out_dtype))
+        # together; an FP8 kernel's e4m3 bytes and its scales), the zero-initialised output written once.
+        name=kernels.traffic_name(f"grouped_matmul{'_t' if transpose_rhs else ''}_rows{rows}{fp8}",
+                                  rows * (k * lhs.dtype.itemsize + n * jnp.dtype(out_dtype).itemsize)
+                                  + sum(x.nbytes for x in operands[2:-1]) + m * n * jnp.dtype(out_dtype).itemsize),
+    )(*operands)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -160,6 +193,30 @@ def _grouped_bwd(block_m, rows_hint, saved, dy):
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _grouped_fp8(lhs, values, scales, group_sizes, block_m, rows_hint, scale_block):
+    return _call(lhs, values, group_sizes, transpose_rhs=False, out_dtype=jnp.float32, block_m=block_m,
+                 rows_hint=rows_hint, scales=scales, scale_block=scale_block, dtype=lhs.dtype)
+
+
+def _grouped_fp8_fwd(lhs, values, scales, group_sizes, block_m, rows_hint, scale_block):
+    out = _grouped_fp8(lhs, values, scales, group_sizes, block_m, rows_hint, scale_block)
+    # The rows' gradient needs only their dtype (carried by an empty array), not the rows.
+    return out, (jnp.zeros((0,), lhs.dtype), values, scales, group_sizes)
+
+
+def _grouped_fp8_bwd(block_m, rows_hint, scale_block, saved, dy):
+    like, values, scales, group_sizes = saved
+    dtype = like.dtype
+    d_lhs = _call(dy.astype(dtype), values, group_sizes, transpose_rhs=True, out_dtype=dtype, block_m=block_m,
+                  rows_hint=rows_hint, scales=scales, scale_block=scale_block, dtype=dtype)
+    # The FP8 base is frozen (`fp8.dense` stops its gradient too): zero cotangents, which nothing uses.
+    return d_lhs, jnp.zeros_like(values), jnp.zeros_like(scales), None
+
+
+_grouped_fp8.defvjp(_grouped_fp8_fwd, _grouped_fp8_bwd)
+
+
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, block_m: int = 64,
                    rows_hint: int | None = None) -> jax.Array:
     """`lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=float32)` as a Pallas kernel.
@@ -173,3 +230,24 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, bl
     if not supported(lhs.shape, rhs.shape, lhs.dtype):
         raise ValueError(f"grouped_matmul: unsupported operands lhs {lhs.shape} rhs {rhs.shape} {lhs.dtype}")
     return _grouped(lhs, rhs, group_sizes.astype(jnp.int32), block_m, lhs.shape[0] if rows_hint is None else rows_hint)
+
+
+def grouped_matmul_fp8(lhs: jax.Array, values: jax.Array, scales: jax.Array, block: tuple[int, int],
+                       group_sizes: jax.Array, *, block_m: int = 64, rows_hint: int | None = None) -> jax.Array:
+    """`grouped_matmul(lhs, dequantized rhs, ...)` with the rhs an FP8 kernel dequantized inside the kernel.
+
+    lhs: [M, K] bfloat16 or float32 (the compute dtype: each rhs element is `value x scale` rounded to it);
+    values: [G, K, N] float8_e4m3fn; scales: [G, ceil(K / block[0]), ceil(N / block[1])] float32, one per
+    `block` of each group's [K, N] (`fp8.Fp8Weight` of an expert stack: its scales and block); group_sizes:
+    [G] int32 -> [M, N] float32, equal to `grouped_matmul(lhs, fp8.dense(rhs), ...)`. Differentiable in lhs
+    (the FP8 kernel is frozen: zero gradients).
+    """
+    g, k, n = values.shape
+    grid = (g, -(-k // block[0]), -(-n // block[1]))
+    if jnp.dtype(values.dtype) != jnp.dtype(jnp.float8_e4m3fn) or tuple(scales.shape) != grid:
+        raise ValueError(f"grouped_matmul_fp8: values {values.dtype} {values.shape} with scales {scales.shape} in "
+                         f"blocks {tuple(block)}; expected float8_e4m3fn values and scales {grid}")
+    if not supported(lhs.shape, values.shape, lhs.dtype):
+        raise ValueError(f"grouped_matmul_fp8: unsupported operands lhs {lhs.shape} rhs {values.shape} {lhs.dtype}")
+    return _grouped_fp8(lhs, values, scales, group_sizes.astype(jnp.int32), block_m,
+                        lhs.shape[0] if rows_hint is None else rows_hint, tuple(block))

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+E4M3_MAX = float(jnp.finfo(E4M3).max)  # 448: a block's largest |w| maps to it
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("values", "scales"),

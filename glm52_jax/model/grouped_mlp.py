@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from glm52_jax.kernels import use_pallas
-from glm52_jax.kernels.grouped_matmul import grouped_matmul, supported
+from glm52_jax.kernels.grouped_matmul import grouped_matmul, grouped_matmul_fp8, supported
 from glm52_jax.model import fp8
 from glm52_jax.model.lora import Adapter
 
@@ -73,14 +73,17 @@ def blockdiag_lora_delta(xs: jax.Array, lora: LoRAArrays, group_sizes: jax.Array
     return y * scale
 
 
-def _ragged(xs: jax.Array, w: jax.Array, group_sizes: jax.Array, lora: LoRAArrays | None,
+def _ragged(xs: jax.Array, w: jax.Array | fp8.Fp8Weight, group_sizes: jax.Array, lora: LoRAArrays | None,
             kernel: bool = False, rows_hint: int | None = None) -> jax.Array:
     """`xs: [M,in]` times each row's expert kernel `w: [E,in,out]` (+ LoRA) -> [M,out] float32.
 
-    kernel: use the grouped-matmul kernel (`kernels.grouped_matmul`, told `rows_hint`) and the
-    block-diagonal LoRA."""
+    kernel: use the grouped-matmul kernel (`kernels.grouped_matmul`, told `rows_hint`; an FP8 `w` dequantized
+    inside it, block by block) and the block-diagonal LoRA. Otherwise `w` is an array (`fp8.dense`'s)."""
     if kernel:
-        out = grouped_matmul(xs, w, group_sizes, rows_hint=rows_hint)
+        if isinstance(w, fp8.Fp8Weight):
+            out = grouped_matmul_fp8(xs, w.values, w.scales, w.block, group_sizes, rows_hint=rows_hint)
+        else:
+            out = grouped_matmul(xs, w, group_sizes, rows_hint=rows_hint)
         return out if lora is None else out + blockdiag_lora_delta(xs, lora, group_sizes)
     out = jax.lax.ragged_dot(xs, w, group_sizes, preferred_element_type=jnp.float32)
     return out if lora is None else out + ragged_lora_delta(xs, lora, group_sizes)
@@ -97,13 +100,16 @@ def grouped_swiglu(xs_sorted: jax.Array, group_sizes: jax.Array, w_gate: jax.Arr
     w_down's dtype before the down projection. kernels: a `ModelOptions.kernels` value; where it selects
     the Pallas kernels (and the shapes suit it) the matmuls run on the grouped-matmul kernel; rows_hint:
     the rows expected to be in groups (default M; plan mode's FLOP count of the kernel). A kernel may be an
-    `fp8.Fp8Weight` ([E,...] e4m3 + per-expert block scales): dequantized here, on the experts this call holds.
+    `fp8.Fp8Weight` ([E,...] e4m3 + per-expert block scales), computing in its parameter dtype: on the
+    grouped-matmul kernel each block is dequantized as it is loaded (no dequantized copy of the experts in
+    HBM: benchmarks/fp8_matmul_aot.py); on `lax.ragged_dot` the experts this call holds are dequantized first.
     """
-    w_gate, w_up, w_down = fp8.dense(w_gate), fp8.dense(w_up), fp8.dense(w_down)
     lora_gate, lora_up, lora_down = lora or (None, None, None)
     xs = xs_sorted.astype(w_gate.dtype)
     kernel = (use_pallas(kernels) and supported(xs.shape, w_gate.shape, w_gate.dtype)
               and supported(xs.shape, w_down.shape, w_down.dtype))
+    if not kernel:
+        w_gate, w_up, w_down = fp8.dense(w_gate), fp8.dense(w_up), fp8.dense(w_down)
     gate = _ragged(xs, w_gate, group_sizes, lora_gate, kernel, rows_hint)
     up = _ragged(xs, w_up, group_sizes, lora_up, kernel, rows_hint)
     h = (jax.nn.silu(gate) * up).astype(w_down.dtype)

@@ -44,7 +44,8 @@ _COLLECTIVE_OPS = {
 }
 COLLECTIVE_OPCODES = _COLLECTIVE_OPS  # opcode -> the collective kind it is counted as
 # XLA:GPU's library GEMMs: a custom call whose backend config carries the dot's dimension numbers.
-_GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
+# XLA:GPU's library GEMMs (an FP8 dot that cuBLASLt runs is the `$f8` one), counted as dots.
+_GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
 _GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
 # The later halves of an async op name the same wrapped computation as its `async-start`: the
 # computation runs once, so only the start's edge counts.

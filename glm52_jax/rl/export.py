@@ -9,7 +9,8 @@ writes DIR (default RUN/export/step_<k>) with
               (a run's YaRN payload is a run-time override, as in the seed, not part of the model);
               the run's tokenizer.json and, where the run found its chat template, that directory's
               chat_template.jinja / tokenizer_config.json, so `python -m glm52_jax.generate --checkpoint
-              DIR/merged --prompt ...` runs on it
+              DIR/merged --prompt ...` runs on it. An FP8 base is merged dequantized, in model.dtype; with
+              `export.merged_fp8` re-quantized as the base was (e4m3 + block scales, its quantization_config)
     export.json  step, base model, config hash, files with sha256
 
 The run's settings come from RUN/config.json (saved when the run started), because the base model
@@ -52,6 +53,7 @@ def export_run(spec: RunSpec, workdir: str | os.PathLike, *, export_dir: str | o
     if not (workdir / "checkpoints").is_dir():
         raise ConfigError(f"export: {workdir} has no checkpoints/ (not a run directory, or no step committed)")
     inputs = resolve(spec, data=False)
+    quantization = fp8_export_config(spec) if merged else None
     ckpts = RunCheckpoints(workdir / "checkpoints", max_to_keep=spec.checkpoint.keep)
     steps = ckpts.all_steps()
     if not steps:
@@ -64,18 +66,21 @@ def export_run(spec: RunSpec, workdir: str | os.PathLike, *, export_dir: str | o
     holder, refusal = _staging_holder(out) if processes.is_writer() else (None, None)
     try:
         _agree(refusal)  # before any gather: a process that cannot go on stops them all
-        return _export(spec, inputs, ckpts, step, out, holder, merged)
+        return _export(spec, inputs, ckpts, step, out, holder, merged, quantization)
     finally:
         if holder is not None:
             shutil.rmtree(holder, ignore_errors=True)
 
 
-def _export(spec: RunSpec, inputs, ckpts, step: int, out: Path, holder: Path | None, merged: bool) -> dict:
+def _export(spec: RunSpec, inputs, ckpts, step: int, out: Path, holder: Path | None, merged: bool,
+            quantization: dict | None) -> dict:
     """Restores the adapters on the run's mesh and writes the export (process 0, `holder` set: into
     `holder`/export, then moved to `out`; the others only take part in the gathers)."""
     positions = "run" if spec.export.keep_rope_scaling or inputs.rope_scaling is None else "native"
     record = {"step": step, "base": spec.model.base_name, "config_sha256": spec.resume_sha256(),
               "merged_positions": positions}
+    if quantization is not None:
+        record["merged_quantization"] = quantization
     mesh_spec, mesh = train_mesh(spec)
     with contextlib.ExitStack() as stack:
         if mesh is not None:
@@ -86,12 +91,12 @@ def _export(spec: RunSpec, inputs, ckpts, step: int, out: Path, holder: Path | N
     _restore_adapters(ckpts.directory, step, model)
     ckpts.close()
     if holder is None:
-        _write(model, None, spec, inputs, positions, merged)
+        _write(model, None, spec, inputs, positions, merged, quantization)
         _agree(None)  # every gather done: process 0 may publish
         return {"export_dir": str(out), **record}
     staging = holder / "export"
     staging.mkdir()  # default permissions (mkdtemp's own directory is private)
-    record["files"] = _write(model, staging, spec, inputs, positions, merged)
+    record["files"] = _write(model, staging, spec, inputs, positions, merged, quantization)
     from glm52_jax.evidence.atomic import atomic_write_json
 
     atomic_write_json(staging / RECORD, record)  # last: an export.json lists complete files
@@ -100,9 +105,10 @@ def _export(spec: RunSpec, inputs, ckpts, step: int, out: Path, holder: Path | N
     return {"export_dir": str(out), **record}
 
 
-def _write(model, staging: Path | None, spec: RunSpec, inputs, positions: str, merged: bool) -> list[dict]:
-    """peft/ and merged/ into `staging` (None: a process that only takes part in the gathers); the files
-    written, with sizes and sha256."""
+def _write(model, staging: Path | None, spec: RunSpec, inputs, positions: str, merged: bool,
+           quantization: dict | None) -> list[dict]:
+    """peft/ and merged/ into `staging` (None: a process that only takes part in the gathers; merged/ in FP8
+    when `quantization` is given); the files written, with sizes and sha256."""
     from glm52_jax.checkpoint.hf import save_pretrained
     from glm52_jax.checkpoint.peft import save_peft_adapter
 
@@ -111,7 +117,8 @@ def _write(model, staging: Path | None, spec: RunSpec, inputs, positions: str, m
     save_peft_adapter(model, target / "peft", base_model_name_or_path=spec.model.base_name, write=write)
     if merged:
         written_cfg = model.cfg if positions == "run" else native_model_config(spec.model)[0]
-        save_pretrained(model, target / "merged", config=written_cfg, merge_adapters=True, write=write)
+        save_pretrained(model, target / "merged", config=written_cfg, merge_adapters=True, write=write,
+                        quantization=quantization)
         if write:
             for name, source in tokenizer_files(spec.model).items():
                 shutil.copyfile(source, target / "merged" / name)
@@ -120,6 +127,29 @@ def _write(model, staging: Path | None, spec: RunSpec, inputs, positions: str, m
     files = sorted(p for p in staging.rglob("*") if p.is_file())
     return [{"path": p.relative_to(staging).as_posix(), "bytes": p.stat().st_size, "sha256": sha256_file(p)}
             for p in files]
+
+
+def fp8_export_config(spec: RunSpec) -> dict | None:
+    """The `quantization_config` merged/ is written with: None unless `export.merged_fp8`, then the base
+    checkpoint's own, read from its config.json (it must be an FP8 checkpoint: a ConfigError otherwise, before
+    anything is loaded)."""
+    if not spec.export.merged_fp8:
+        return None
+    from glm52_jax.checkpoint import hf_fp8
+    from glm52_jax.config import ModelConfig
+
+    path = spec.model.checkpoint_path
+    where = f"--config.export.merged_fp8=True: the base model ({path or spec.model.checkpoint})"
+    cfg = path / "config.json" if path is not None else None
+    raw = dict(ModelConfig.from_json_file(cfg).extra).get(hf_fp8.QUANT_KEY) if cfg and cfg.is_file() else None
+    if raw is None:
+        raise ConfigError(f"{where} is not an FP8 checkpoint (its config.json has no {hf_fp8.QUANT_KEY}); export "
+                          "without it (--config.export.merged_fp8=False) or train on the FP8 release")
+    try:
+        hf_fp8.split_quantization(ModelConfig.from_json_file(cfg))
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    return raw
 
 
 def tokenizer_files(model_spec) -> dict[str, Path]:

@@ -41,14 +41,20 @@ def rope_scaling(model: ModelSpec):
 def native_model_config(model: ModelSpec, *, preset_without_checkpoint: bool = False):
     """(ModelConfig with the checkpoint's native positions, where it came from).
 
-    The checkpoint's config.json; the preset for `checkpoint="random"`, or (plan mode,
-    `preset_without_checkpoint`) when the checkpoint is not on this machine.
+    The checkpoint's config.json, without an FP8 checkpoint's quantization_config (how the weights are stored,
+    not part of the model: `load_pretrained` returns the same config); the preset for `checkpoint="random"`,
+    or (plan mode, `preset_without_checkpoint`) when the checkpoint is not on this machine.
     """
     from glm52_jax import config as config_lib
+    from glm52_jax.checkpoint.hf_fp8 import split_quantization
 
     path = model.checkpoint_path
     if path is not None and (path / "config.json").is_file():
-        return config_lib.ModelConfig.from_json_file(path / "config.json"), str(path)
+        try:
+            _, cfg = split_quantization(config_lib.ModelConfig.from_json_file(path / "config.json"))
+        except ValueError as e:
+            raise ConfigError(f"--config.model.checkpoint={model.checkpoint}: {e}") from None
+        return cfg, str(path)
     if path is None or preset_without_checkpoint:
         return config_lib.PRESETS[model.preset](), f"preset:{model.preset}"
     raise ConfigError(f"--config.model.checkpoint={model.checkpoint}: no config.json in {str(path)!r} "

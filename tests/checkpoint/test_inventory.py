@@ -1,6 +1,7 @@
 """Parameter inventory of a real tiny model: the same on one device and sharded on 8, unchanged by a
 no-op, changed in exactly the parameter that changed, and computed without fetching the model."""
 
+import dataclasses
 import re
 
 import jax
@@ -97,3 +98,38 @@ def test_inventory_moves_only_the_digest_table(model, capfd):
     sharded = _sharded_names(placed)
     _, whole_model_transfers = transfers(lambda m: state_arrays(nnx.state(m)), _placed(model))
     assert len(whole_model_transfers) >= len(sharded) > 20  # the log does see a whole-model fetch
+
+
+def test_fp8_weights_are_listed_as_values_and_scales(tmp_path):
+    """An FP8 base (`model.fp8.Fp8Weight`): one entry per array, its e4m3 values and float32 scales, each with
+    its own digest (equal to the array's own); the same when the model is sharded on 8 devices; changing one
+    scale changes that entry only."""
+    import fp8_checkpoint as fc
+    import jax.numpy as jnp
+
+    from glm52_jax.checkpoint.digest import digest_table, hex_digest
+    from glm52_jax.model import fp8
+
+    cfg = config.tiny(num_hidden_layers=2, indexer_types=("full", "full"), first_k_dense_replace=0, vocab_size=128)
+    path = fc.write(tmp_path / "fp8", cfg, fc.fp8_tensors(fc.random_tensors(cfg), (16, 12)), fc.quant_config((16, 12)))
+    model = glm52_jax.load_pretrained(path, dtype=jnp.float32)
+    weights = {"/".join(map(str, k)): v.get_value() for k, v in nnx.to_flat_state(nnx.state(model))
+               if isinstance(v.get_value(), fp8.Fp8Weight)}
+    inventory = param_inventory(model)
+    assert len(weights) > 10 and not set(weights) & set(inventory)
+    for name, w in weights.items():
+        for part, array, dtype in (("values", w.values, "float8_e4m3fn"), ("scales", w.scales, "float32")):
+            entry = inventory[f"{name}/{part}"]
+            assert entry["shape"] == list(array.shape) and entry["dtype"] == dtype, name
+            assert entry["digest"] == hex_digest(digest_table([array])[0]), name
+    spec = parse_mesh("folded=8")
+    with axis_rules(spec.rules()):
+        placed = glm52_jax.load_pretrained(path, dtype=jnp.float32, shardings=spec.make())
+    assert any(not leaf.sharding.is_fully_replicated for leaf in state_leaves(nnx.state(placed)).values())
+    assert param_inventory(placed) == inventory
+    name = "stacks/0/layers/0/self_attn/q_a_proj"
+    graphdef, state = nnx.split(model)
+    flat = [(path, var.replace(dataclasses.replace(var.get_value(), scales=var.get_value().scales.at[0, 0, 0].mul(2))))
+            if "/".join(map(str, path)) == name else (path, var) for path, var in nnx.to_flat_state(state)]
+    changed = param_inventory(nnx.merge(graphdef, nnx.from_flat_state(flat)))
+    assert changed_entries(inventory, changed) == [f"{name}/scales"]

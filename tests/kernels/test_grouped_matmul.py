@@ -3,7 +3,9 @@
 Interpret mode on CPU (float32 exact to rounding, bfloat16 within its rounding), the tile table, the
 routed-expert paths that use it (`grouped_swiglu` with kernels="pallas", the block-diagonal LoRA
 delta), and one deviceless sm_90a compile: no dense `[M, G, K]` expansion (XLA's ragged_dot lowering
-holds 768 MiB of temporaries for these shapes; the kernel ~0).
+holds 768 MiB of temporaries for these shapes; the kernel ~0). FP8 kernels (`grouped_matmul_fp8`,
+dequantized block by block inside the kernel): the same numbers as the kernel on `fp8.dense`'s weights, bit
+for bit, and no dequantized copy of the experts in the sm_90a compile.
 """
 
 import jax
@@ -12,7 +14,8 @@ import numpy as np
 import pytest
 
 from glm52_jax.kernels import aot
-from glm52_jax.kernels.grouped_matmul import grouped_matmul, tile_table
+from glm52_jax.kernels.grouped_matmul import grouped_matmul, grouped_matmul_fp8, tile_table
+from glm52_jax.model import fp8
 from glm52_jax.model.grouped_mlp import blockdiag_lora_delta, grouped_swiglu, ragged_lora_delta, row_groups
 
 
@@ -109,3 +112,99 @@ def test_compiles_for_sm90a_without_the_dense_expansion():
     for name in names:
         k = c.kernels[name]
         assert k.shared_memory <= 232_448 and k.spill_bytes in (0, None), (name, k)
+
+
+# ------------------------------------------------------------------------------------------------
+# FP8 kernels.
+
+
+def _fp8(rng, shape, block, dtype):
+    """A random `fp8.Fp8Weight` [G, K, N] with `block` on its last two dims (partial blocks where they do not
+    divide), scales spread over two octaves."""
+    values = jnp.asarray(rng.standard_normal(shape).astype(fp8.E4M3))
+    scales = jnp.asarray(rng.uniform(0.02, 0.08, fp8.scale_shape(shape, block)).astype(np.float32))
+    return fp8.Fp8Weight(values, scales, block, jnp.dtype(dtype))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("block", [(12, 16), (64, 32), (1, 128)])
+def test_fp8_kernel_is_the_kernel_on_the_dequantized_weights(dtype, block):
+    """Each block dequantized in the kernel (`value x scale` in float32, rounded once to the compute dtype) as
+    `fp8.dense` does for the whole weight: outputs and row gradients (the transposed kernel) equal bit for bit.
+    Blocks: partial ones (12 rows of 64), a block spanning K steps, one scale per row. The FP8 weights get zero
+    gradients (frozen)."""
+    rng = np.random.default_rng(block[0])
+    gs = jnp.array([5, 0, 20, 9], jnp.int32)
+    w = _fp8(rng, (4, 64, 32), block, dtype)
+    x, cot = _normal(rng, 40, 64, dtype=dtype), _normal(rng, 40, 32)
+    got = jax.jit(lambda x: grouped_matmul_fp8(x, w.values, w.scales, w.block, gs))(x)
+    want = grouped_matmul(x, fp8.dense(w), gs)
+    assert got.dtype == jnp.float32 and float(jnp.abs(want).max()) > 0
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+    def loss(x, values, scales):
+        return jnp.sum(grouped_matmul_fp8(x, values, scales, w.block, gs) * cot)
+
+    d_x, d_values, d_scales = jax.jit(jax.grad(loss, (0, 1, 2)))(x, w.values, w.scales)
+    want_dx = jax.grad(lambda x: jnp.sum(grouped_matmul(x, fp8.dense(w), gs) * cot))(x)
+    np.testing.assert_array_equal(np.asarray(d_x, np.float32), np.asarray(want_dx, np.float32))
+    assert not np.asarray(d_values, np.float32).any() and not np.asarray(d_scales).any()
+
+
+def test_fp8_kernel_refuses_mismatched_scales():
+    rng = np.random.default_rng(0)
+    w = _fp8(rng, (2, 64, 32), (16, 16), jnp.float32)
+    with pytest.raises(ValueError, match=r"scales \(2, 4, 2\) in blocks \(32, 16\); expected float8_e4m3fn "
+                                         r"values and scales \(2, 2, 2\)"):
+        grouped_matmul_fp8(_normal(rng, 8, 64), w.values, w.scales, (32, 16), jnp.array([3, 5], jnp.int32))
+
+
+def test_swiglu_with_fp8_experts_on_the_kernel_equals_the_reference():
+    """`grouped_swiglu` with FP8 expert stacks: kernels="pallas" (dequantized in the kernel) against
+    "reference" (dequantized, then lax.ragged_dot), float32: outputs, row and LoRA gradients."""
+    rng = np.random.default_rng(4)
+    e, d, i, r, m = 4, 64, 32, 4, 48
+    gs = jnp.array([10, 0, 25, 9], jnp.int32)
+    w = (_fp8(rng, (e, d, i), (12, 16), jnp.float32), _fp8(rng, (e, d, i), (12, 16), jnp.float32),
+         _fp8(rng, (e, i, d), (16, 12), jnp.float32))
+    lora = [(_normal(rng, e, a, r) / 5, _normal(rng, e, r, b) / 5) for a, b in ((d, i), (d, i), (i, d))]
+    xs, cot = _normal(rng, m, d), _normal(rng, m, d)
+
+    def loss(xs, lora, kernels):
+        arrays = tuple((a, b, 2.0) for a, b in lora)
+        return jnp.sum(grouped_swiglu(xs, gs, *w, arrays, kernels=kernels) * cot)
+
+    got = jax.jit(jax.value_and_grad(lambda *a: loss(*a, "pallas"), (0, 1)))(xs, lora)
+    ref = jax.value_and_grad(lambda *a: loss(*a, "reference"), (0, 1))(xs, lora)
+    assert float(jnp.abs(ref[0])) > 1.0
+    for g, rr in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        assert float(jnp.abs(rr).max()) > 0
+        np.testing.assert_allclose(np.asarray(g), np.asarray(rr), rtol=1e-5, atol=1e-5)
+
+
+# ~47 s of deviceless compiles (two programs): `slow` (CI budget); benchmarks/fp8_matmul_aot.py: figures at scale.
+@pytest.mark.slow
+@pytest.mark.skipif(aot.missing() is not None, reason=f"deviceless GPU compiles: {aot.missing()}")
+def test_fp8_kernel_compiles_for_sm90a_without_a_dequantized_copy():
+    """GLM-5.2's 32 local experts per device at EP 8 (6144 x 2048, 128 x 128 blocks), 4,096 rows, H200: the FP8
+    kernel needs no temporaries and fits shared memory without spills, where dequantizing first holds the
+    experts in bf16 (768 MiB) and moves ~2.5x the bytes."""
+    from glm52_jax.plan.hlo_traffic import traffic
+
+    sd = jax.ShapeDtypeStruct
+    m, d, i, e = 4096, 6144, 2048, 32
+    args = (sd((m, d), jnp.bfloat16), sd((e, d, i), fp8.E4M3), sd((e, d // 128, i // 128), jnp.float32),
+            sd((e,), jnp.int32))
+
+    def in_kernel(x, values, scales, gs):
+        return grouped_matmul_fp8(x, values, scales, (128, 128), gs)
+
+    def first(x, values, scales, gs):
+        return grouped_matmul(x, fp8.dense(fp8.Fp8Weight(values, scales, (128, 128), jnp.dtype(jnp.bfloat16))), gs)
+
+    c, ref = (aot.compile_for_gpu(f, *args, target="h200") for f in (in_kernel, first))
+    assert c.memory["temp"] < 1 << 20 <= e * d * i * 2 <= ref.memory["temp"], (c.memory, ref.memory)
+    k = c.kernels[f"grouped_matmul_rows{m}_fp8"]
+    assert k.shared_memory <= 232_448 and k.spill_bytes in (0, None), k
+    moved = [traffic(x.compiled.as_text(), [0])["memory_bytes_executed"] for x in (c, ref)]
+    assert 2 * moved[0] < moved[1], moved

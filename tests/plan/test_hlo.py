@@ -296,6 +296,31 @@ def test_flop_rules():
     assert fl["transcendentals_executed"] == 32  # the argmax reducer's compare / selects count 0 times
 
 
+def test_cublas_gemms_count_as_dots_fp8_included():
+    """The library GEMMs XLA:GPU emits (bf16 cuBLASLt and the FP8 one, as in benchmarks/fp8_matmul_aot.py's
+    compiles): 2 * |out| * contracted, from the first operand and the backend config's contracting dims."""
+    config = ('backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],'
+              '"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}')
+    text = f"""HloModule gemms
+
+ENTRY %main (a: f8e4m3fn[16,32], b: f8e4m3fn[32,8], c: bf16[16,32], d: bf16[32,8]) -> f32[16,8] {{
+  %a = f8e4m3fn[16,32]{{1,0}} parameter(0)
+  %b = f8e4m3fn[32,8]{{1,0}} parameter(1)
+  %one = f32[] constant(1)
+  %f8 = (f32[16,8]{{1,0}}, s8[1024]{{0}}) custom-call(%a, %b, %one, %one), custom_call_target="__cublas$lt$matmul$f8", {config}
+  %c = bf16[16,32]{{1,0}} parameter(2)
+  %d = bf16[32,8]{{1,0}} parameter(3)
+  %lt = (bf16[16,8]{{1,0}}, s8[1024]{{0}}) custom-call(%c, %d), custom_call_target="__cublas$lt$matmul", {config}
+  ROOT %out = f32[16,8]{{1,0}} get-tuple-element(%f8), index=0
+}}
+"""
+    comps, _ = hlo.parse_hlo(text)
+    shapes = {i.name: i.shape for i in comps["main"]}
+    by_name = {i.name: hlo.instr_flops(i, shapes) for i in comps["main"]}
+    assert by_name["f8"] == by_name["lt"] == (2 * 16 * 8 * 32, 0, True)
+    assert hlo.analyze_hlo(text)["flops"]["dot_flops_executed"] == 2 * 8192
+
+
 @pytest.mark.parametrize("conv", [
     dict(lhs=(2, 9, 7, 3), rhs=(3, 2, 3, 5), strides=(1, 1), padding="SAME"),
     dict(lhs=(2, 9, 7, 3), rhs=(3, 2, 3, 5), strides=(2, 3), padding=((1, 2), (0, 1))),
