@@ -107,9 +107,16 @@ def _check(prob, name, ep=experts_ep):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
     flat_ref, flat = jax.tree.leaves(ref_grads), jax.tree.leaves(grads)
     assert len(flat) == len(flat_ref) == 1 + 3 + 6  # x, 3 kernels, 3 x (A, B)
+    # Gradients against each tensor's own scale: an element is a sum over many routed rows whose terms reach
+    # max|r| (10-90 here) and can cancel, so float32 rounding leaves ~1e-5 absolute noise on it in any summation
+    # order (the float32 reference itself is up to 1.5e-5 from a float64-accumulated one, measured on
+    # test_bounded_receive_buffer_passes' folded8 case, where the EP passes change the order). 1e-6 of the scale
+    # is ~8 float32 ulps of it; a dropped or doubled row moves an element by a whole term.
     for g, r in zip(flat, flat_ref):
-        assert float(jnp.max(jnp.abs(r))) > 0
-        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
+        scale = float(jnp.max(jnp.abs(r)))
+        assert scale > 0
+        err = float(jnp.max(jnp.abs(g - r)))
+        assert err <= 1e-6 * scale, (err, scale)
     errs["grad"] = max(float(jnp.max(jnp.abs(g - r))) for g, r in zip(flat, flat_ref))
     # Expert gradients stay expert-sharded.
     assert grads[1][0].sharding.spec[0] == axis
