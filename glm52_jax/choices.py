@@ -17,6 +17,7 @@ KERNELS = ("auto", "reference", "pallas")  # model/options.py: auto = pallas on 
 MOE_CROSS_HOST = ("xla", "nccl")  # parallel/xla_options.py: how XLA:GPU runs the MoE exchange across hosts
 MOE_TRANSPORTS = ("auto", "dense", "ragged")  # model/expert_parallel.py: auto = ragged on GPU, dense elsewhere
 DTYPES = ("float32", "bfloat16")  # parameter (and activation) dtype of the base model
+CACHE_DTYPES = ("auto", "float8_e4m3fn")  # model/cache_fp8.py: decode-cache latent + indexer key; auto = model dtype
 PRESETS = ("tiny", "glm52")  # config.py architectures for `model.checkpoint="random"` and plan mode
 CHECKPOINT_KEYWORDS = ("embedded", "random")  # model.checkpoint besides a directory path
 # plan/: programs plan mode can compile

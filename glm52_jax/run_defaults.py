@@ -53,6 +53,7 @@ def get_config() -> ml_collections.ConfigDict:
     # weight matrices in place and runs their projections tensor-parallel: activations move instead of weights.
     # 0 = always gather (the tiny configs: their weights are smaller than the activations' round trips).
     c.model.gather_weights_min_tokens = 0
+    c.model.cache_dtype = "auto"  # decode/prefix cache latent + indexer key: auto (= model.dtype) or float8_e4m3fn
 
     c.data = ml_collections.ConfigDict()
     c.data.path = ""  # DAPO-schema parquet/JSONL; "" = the 75 bundled rows

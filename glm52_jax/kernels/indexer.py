@@ -188,7 +188,11 @@ def _score_kernel(offsets_ref, q_ref, w_ref, qpos_ref, keys_ref, kpos_ref, kscal
 
 def quantize_e4m3(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Per-row (last axis, one 128-wide block at the indexer's head dim) float8 e4m3 quantisation:
-    `x: [..., I] -> (x8 [..., I] float8_e4m3fn, scale [...] float32)` with x ~= x8 * scale."""
+    `x: [..., I] -> (x8 [..., I] float8_e4m3fn, scale [...] float32)` with x ~= x8 * scale.
+
+    scale = amax|row| / 448 (1 for an all-zero row), x8 = e4m3(row / scale), both divisions written as the
+    products XLA compiles them to anyway (by the float32 reciprocals of 448 and of each row's scale), so every
+    backend rounds the same way and an oracle can repeat it exactly."""
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
-    scale = jnp.where(amax > 0, amax / _FP8_MAX, 1.0)
-    return (x.astype(jnp.float32) / scale[..., None]).astype(FP8), scale
+    scale = jnp.where(amax > 0, amax * jnp.float32(1.0 / _FP8_MAX), 1.0)
+    return (x.astype(jnp.float32) * (1.0 / scale)[..., None]).astype(FP8), scale

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from glm52_jax.model import cache_fp8
 from glm52_jax.model.indexer import cached_topk, merge_topk, streaming_topk
 from glm52_jax.model.sparse_attention import array_rows, sparse_mla_rows
 from glm52_jax.parallel.rules import constrain, logical_to_spec
@@ -244,24 +245,26 @@ def _cp_cached_block(axes: tuple[str, ...], q_lat, q_rope, c_new, r_new, q_posit
 
     q_lat: [B,Q,H,C], q_rope: [B,Q,H,R] (Q queries at `q_positions: [Q]`, the whole chunk or a block of it);
     c_new: [B,S,C], r_new: [B,S,R] the whole chunk's own rows at `positions: [S]`; cache: a `LayerCacheView`
-    (stacks [reps, U|F, B, Cap, *]); index: (iq [B,Q,..], iw [B,Q,..], ik_new [B,S,..]) for a layer with its
+    (stacks [reps, U|F, B, Cap, *]; an FP8 cache's scale stacks [reps, U|F, B, Cap] are sharded like their rows
+    and read with them); index: (iq [B,Q,..], iw [B,Q,..], ik_new [B,S,..]) for a layer with its
     own indexer, else None and `prev_topk: [B,Q,K]` (global slots). Returns (out_lat [B,Q,H,C], top-k [B,Q,K]
     global slots), replicated over `axes`.
     """
     replicated = P()
     slots = P(None, None, None, axes, None)
+    scale_slots = P(None, None, None, axes)
     capacity = cache.c_kv.shape[-2]
     topk_k = min(index_topk, capacity)
 
     def per_device(q_lat, q_rope, c_new, r_new, q_positions, positions, cache_c, cache_r, cache_i, slot, index_slot,
-                   length, index, prev_topk):
+                   length, index, prev_topk, cache_cs, cache_is):
         local_cap = cache_c.shape[-2]
         base = jax.lax.axis_index(axes) * local_cap
         if index is not None:
             iq, iw, ik_new = index
             local_len = jnp.clip(length - base, 0, local_cap)
             vals, idx = cached_topk(iq, iw, cache_i, index_slot, q_positions, local_len, index_topk,
-                                    scale=index_scale, **indexer_blocks)
+                                    scale=index_scale, key_scales=cache_is, **indexer_blocks)
             idx = jnp.where(idx >= 0, idx + base, idx)
             # [N,B,S,k] -> [B,S,N*k]: device order is slot order, so ties keep the lowest slot.
             cand = tuple(jnp.moveaxis(jax.lax.all_gather(a, axes), 0, 2).reshape(*a.shape[:2], -1) for a in (vals, idx))
@@ -271,30 +274,35 @@ def _cp_cached_block(axes: tuple[str, ...], q_lat, q_rope, c_new, r_new, q_posit
         else:
             topk = prev_topk
         out = _partial_attention(q_lat, q_rope, topk, cache_c, cache_r, slot, c_new, r_new, length, base, local_cap,
-                                 softmax_scale, axes)
+                                 softmax_scale, axes, cache_cs)
         return out, topk
 
     index_specs = None if index is None else (replicated,) * 3
     topk_spec = None if prev_topk is None else replicated
     has_index = cache.index_k is not None
+    quantized = cache.c_scale is not None
     fn = jax.shard_map(
         per_device,
         in_specs=(replicated,) * 6 + (slots, slots, slots if has_index else None, replicated,
-                                      replicated if has_index else None, replicated, index_specs, topk_spec),
+                                      replicated if has_index else None, replicated, index_specs, topk_spec,
+                                      scale_slots if quantized else None,
+                                      scale_slots if quantized and has_index else None),
         out_specs=(replicated, replicated), axis_names=frozenset(axes), check_vma=False)
     # The chunk's tensors enter replicated, so their cotangents are summed over `axes` in the
     # backward; in float32 (they are small: <= MAX_CACHED_QUERIES rows), which also keeps XLA:CPU's
     # bf16 all-reduce promotion (which aborts on these reductions) out of the program.
     f32 = [a.astype(jnp.float32) for a in (q_lat, q_rope, c_new, r_new)]
     out, topk = fn(*f32, q_positions, positions, cache.c_kv, cache.k_rope, cache.index_k, cache.slot,
-                   cache.index_slot, cache.length, index, prev_topk)
+                   cache.index_slot, cache.length, index, prev_topk, cache.c_scale,
+                   cache.i_scale if has_index else None)
     return out.astype(q_lat.dtype), topk
 
 
 def _partial_attention(q_lat, q_rope, topk, cache_c, cache_r, slot, c_new, r_new, length, base, local_cap, scale,
-                       axes):
+                       axes, cache_cs=None):
     """Softmax attention over the selected keys this device holds (cache rows in its slot range, chunk
-    rows whose slots it will own), combined across `axes` by `lse_attention`."""
+    rows whose slots it will own), combined across `axes` by `lse_attention`. With an FP8 cache (`cache_cs`:
+    the local e4m3 rows' scales) only the gathered rows are dequantized."""
     lead = tuple(jnp.asarray(i, jnp.int32) for i in slot)
     b = jnp.arange(topk.shape[0], dtype=jnp.int32)[:, None, None]
     valid = topk >= 0
@@ -302,8 +310,11 @@ def _partial_attention(q_lat, q_rope, topk, cache_c, cache_r, slot, c_new, r_new
     in_cache = topk < length
     mine = valid & (topk // local_cap == base // local_cap)  # slot s lives on device s // local_cap
     rows = []
-    for cached, fresh in ((cache_c, c_new), (cache_r, r_new)):
-        past = cached[(*lead, b, jnp.clip(local, 0, local_cap - 1))]  # [B,S,K,*]
+    for cached, scales, fresh in ((cache_c, cache_cs, c_new), (cache_r, None, r_new)):
+        at = (*lead, b, jnp.clip(local, 0, local_cap - 1))
+        past = cached[at]  # [B,S,K,*]
+        if scales is not None:
+            past = cache_fp8.read_rows(past, scales[at], fresh.dtype)
         chunk = jax.vmap(lambda r, i: r[i])(fresh, jnp.clip(topk - length, 0, fresh.shape[1] - 1))
         rows.append(jnp.where(in_cache[..., None], past, chunk.astype(past.dtype)).astype(q_lat.dtype))
     kv, kr = rows

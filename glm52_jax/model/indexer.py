@@ -30,6 +30,7 @@ from glm52_jax.config import ModelConfig
 from glm52_jax.kernels import indexer as kernel_indexer
 from glm52_jax.kernels import indexer_select as kernel_select
 from glm52_jax.kernels import use_pallas
+from glm52_jax.model import cache_fp8
 from glm52_jax.model.layers import LayerNorm, param, project
 from glm52_jax.parallel.rules import constrain
 
@@ -135,13 +136,16 @@ def streaming_topk(q: jax.Array, w: jax.Array, k: jax.Array, q_pos: jax.Array, k
 
 def cached_topk(q: jax.Array, w: jax.Array, keys: jax.Array, index: tuple, q_pos: jax.Array, length: jax.Array,
                 topk: int, *, scale: float, query_block: int, key_block: int, kernels: str = "reference",
-                score_dtype=None):
+                score_dtype=None, key_scales: jax.Array | None = None):
     """Top-k over cache slots `[0, length)` of `keys[index]` (every query sits at or after `length`).
 
     keys: [..., B, Cap, I] a stacked cache read in place: the reference reads each key block as a
     small dynamic slice at `index + (0, block_start, 0)`, the Pallas kernel (`kernels`, see
     `streaming_topk`) reads the rows straight from the stack; no per-layer copy of the cache is
-    made. Returns (scores [B,S,K], indices [B,S,K]) with K = min(topk, Cap), INVALID / -inf where empty.
+    made. key_scales: [..., B, Cap] per-row scales of e4m3 keys (an FP8 cache, `model/cache_fp8.py`), or
+    None: the reference dequantizes each key block it reads, the kernel casts the e4m3 keys it loads to
+    `score_dtype` (exact) and multiplies each key's score by its scale (relu commutes with a positive scale).
+    Returns (scores [B,S,K], indices [B,S,K]) with K = min(topk, Cap), INVALID / -inf where empty.
     """
     batch, capacity, dim = keys.shape[-3:]
     lead = tuple(jnp.asarray(i, jnp.int32) for i in index)
@@ -149,15 +153,19 @@ def cached_topk(q: jax.Array, w: jax.Array, keys: jax.Array, index: tuple, q_pos
     # Few queries (decode) take proportionally longer key blocks: the live score block stays
     # query_block x key_block while the loop runs fewer, larger steps.
     wide = key_block * max(1, query_block // q.shape[1])
+    if key_scales is not None:
+        key_scales = jax.lax.stop_gradient(key_scales)
     if use_pallas(kernels):
         qb, kb = kernel_indexer.blocks(q.shape[1], capacity, query_block, wide)
-        dtype = keys.dtype if score_dtype is None else score_dtype
+        # The queries are never quantized: e4m3 keys score against queries in `score_dtype` (float32 without one).
+        dtype = (keys.dtype if key_scales is None else jnp.float32) if score_dtype is None else score_dtype
         slots = jnp.arange(capacity, dtype=jnp.int32)
         slot_pos = jnp.where(slots < length, slots, jnp.iinfo(jnp.int32).max)  # unwritten slots: never visible
 
         def score_block(j, q_blk, w_blk, qpos_blk):
             scores = kernel_indexer.index_scores(q_blk.astype(dtype), w_blk, qpos_blk, jax.lax.stop_gradient(keys),
-                                                 slot_pos, j * kb, kb, scale=scale, lead=lead, compute_dtype=dtype)
+                                                 slot_pos, j * kb, kb, scale=scale, lead=lead, compute_dtype=dtype,
+                                                 k_scale=key_scales)
             return scores, j * kb + jnp.arange(kb, dtype=jnp.int32)
 
         return _topk_core(q, w, q_pos, score_block, lambda qpos_blk: (length + kb - 1) // kb, qb, kk, True,
@@ -175,7 +183,12 @@ def cached_topk(q: jax.Array, w: jax.Array, keys: jax.Array, index: tuple, q_pos
         blk = jax.lax.dynamic_slice(keys, (*lead, zero, start_slot, zero), (1,) * len(lead) + (batch, kb, dim))
         slots = start_slot + jnp.arange(kb, dtype=jnp.int32)
         kpos = jnp.where((slots >= first) & (slots < length), slots, jnp.iinfo(jnp.int32).max)
-        return jax.lax.stop_gradient(blk.reshape(batch, kb, dim).astype(jnp.float32)), kpos, slots
+        if key_scales is None:
+            return jax.lax.stop_gradient(blk.reshape(batch, kb, dim).astype(jnp.float32)), kpos, slots
+        # An FP8 cache: this block's rows dequantized with their scales (never the whole stack).
+        blk_scale = jax.lax.dynamic_slice(key_scales, (*lead, zero, start_slot), (1,) * len(lead) + (batch, kb))
+        keys_f32 = cache_fp8.read_rows(blk.reshape(batch, kb, dim), blk_scale.reshape(batch, kb), jnp.float32)
+        return jax.lax.stop_gradient(keys_f32), kpos, slots
 
     return _topk_core(q, w, q_pos, _reference_scores(read, scale), lambda qpos_blk: (length + kb - 1) // kb,
                       min(query_block, q.shape[1]), kk, True)

@@ -9,6 +9,14 @@ layer segments so a segment's scan slices its cache with the same leading axes:
     k_rope[s]:  [repeats, unit_len, B, Cap, R]
     index_k[s]: [repeats, full_slots_in_unit, B, Cap, I]   (size 0 on that axis if none)
 
+With `cache_dtype="float8_e4m3fn"` (`model/cache_fp8.py`) c_kv and index_k hold float8 e4m3 values and
+two more stacks hold one float32 scale per row (the row axes without the feature axis):
+
+    c_scale[s]: [repeats, unit_len, B, Cap]
+    i_scale[s]: [repeats, full_slots_in_unit, B, Cap]
+
+With "auto" (the model dtype) `c_scale` and `i_scale` are empty tuples: no leaves, the same programs as before.
+
 Slots `>= length` are unused; their position is their slot index, which causality already hides
 from every query at a smaller position, so no extra mask is needed. That also makes padding safe:
 a cache may have more slots than the model has positions (`slot_capacity` rounds up so that the
@@ -26,9 +34,15 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from glm52_jax.config import ModelConfig
+from glm52_jax.model import cache_fp8
 from glm52_jax.parallel.rules import constrain, logical_to_spec
 
 CACHE_AXES = ("layers", None, "batch", "seq", None)
+
+
+def scale_axes(axes: tuple) -> tuple:
+    """The logical axes of a per-row scale stack: its rows' axes without the feature axis."""
+    return tuple(axes[:-1])
 
 
 @jax.tree_util.register_dataclass
@@ -38,6 +52,9 @@ class KVCache:
     k_rope: tuple[jax.Array, ...]
     index_k: tuple[jax.Array, ...]
     length: jax.Array  # [] int32: tokens written so far
+    # Per-row float32 scales of c_kv / index_k when they hold e4m3 values; () otherwise (module docstring).
+    c_scale: tuple[jax.Array, ...] = ()
+    i_scale: tuple[jax.Array, ...] = ()
 
     @property
     def capacity(self) -> int:
@@ -47,14 +64,23 @@ class KVCache:
     def batch(self) -> int:
         return self.c_kv[0].shape[2]
 
+    @property
+    def cache_dtype(self) -> str:
+        """The `ModelOptions.cache_dtype` this cache was made with."""
+        return cache_fp8.E4M3.name if self.c_scale else "auto"
+
+    def stacks(self) -> tuple:
+        """Every array the cache holds (values and scales), not `length`."""
+        return self.c_kv, self.k_rope, self.index_k, self.c_scale, self.i_scale
+
     def nbytes(self) -> int:
-        """Bytes of the whole (global) cache."""
-        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((self.c_kv, self.k_rope, self.index_k)))
+        """Bytes of the whole (global) cache, scales included."""
+        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self.stacks()))
 
     def device_nbytes(self) -> int:
         """Bytes one device holds (the largest share; the whole cache when it is not sharded)."""
         total = 0
-        for a in jax.tree.leaves((self.c_kv, self.k_rope, self.index_k)):
+        for a in jax.tree.leaves(self.stacks()):
             shards = getattr(a, "addressable_shards", None)
             total += max(s.data.nbytes for s in shards) if shards else a.size * a.dtype.itemsize
         return total
@@ -71,7 +97,8 @@ class KVCache:
         return self.length
 
     def segment(self, s: int) -> SegmentCache:
-        return SegmentCache(self.c_kv[s], self.k_rope[s], self.index_k[s], self.length)
+        scales = (self.c_scale[s], self.i_scale[s]) if self.c_scale else (None, None)
+        return SegmentCache(self.c_kv[s], self.k_rope[s], self.index_k[s], self.length, *scales)
 
     def write(self, new_c, new_r, new_i, seq: int) -> KVCache:
         return write_chunk(self, new_c, new_r, new_i, seq)
@@ -96,41 +123,61 @@ def slot_ways() -> int:
     return math.prod(mesh.shape[n] for n in slot_axes())
 
 
-def init_cache(cfg: ModelConfig, segments, batch: int, capacity: int, dtype=jnp.bfloat16) -> KVCache:
-    """An empty cache for `batch` sequences of up to `capacity` tokens (`segments` from the model).
+def init_cache(cfg: ModelConfig, segments, batch: int, capacity: int, dtype=jnp.bfloat16,
+               cache_dtype: str = "auto") -> KVCache:
+    """An empty cache for `batch` sequences of up to `capacity` tokens (`segments` from the model), in the
+    model's `dtype`, or with e4m3 latents and indexer keys (`cache_dtype`, module docstring).
 
     Each array carries the cache's logical sharding: traced under a mesh (the sampler builds it
     inside jit), every device allocates only its slots, never a replicated whole cache.
     """
     if capacity <= 0 or batch <= 0:
         raise ValueError(f"cache batch and capacity must be positive, got batch={batch} capacity={capacity}")
-    return KVCache(*empty_stacks(cfg, segments, batch, capacity, dtype, CACHE_AXES), jnp.zeros((), jnp.int32))
+    return KVCache(**empty_stacks(cfg, segments, batch, capacity, dtype, CACHE_AXES, cache_dtype),
+                   length=jnp.zeros((), jnp.int32))
 
 
-def empty_stacks(cfg: ModelConfig, segments, batch: int, slots: int, dtype, axes) -> tuple[tuple, tuple, tuple]:
-    """Zero (c_kv, k_rope, index_k) stacks per segment, [repeats, U|F, batch, slots, *], all in `dtype`, each
-    constrained to the logical `axes`. The index keys are values of the parameter dtype (the indexer rounds
-    them so), so storing them in it (bf16 on the real run, half of float32's bytes) loses nothing."""
+def empty_stacks(cfg: ModelConfig, segments, batch: int, slots: int, dtype, axes, cache_dtype: str = "auto") -> dict:
+    """Zero stacks per segment, [repeats, U|F, batch, slots, *], each constrained to the logical `axes`, as
+    the fields of a cache: c_kv, k_rope, index_k in `dtype`; with a quantized `cache_dtype`, c_kv and index_k
+    in e4m3 plus their scale stacks [repeats, U|F, batch, slots] of ones (an all-zero row's scale), else
+    c_scale = i_scale = (). The index keys are values of the parameter dtype (the indexer rounds them so), so
+    storing them in it (bf16 on the real run, half of float32's bytes) loses nothing."""
     def zeros(shape, dt):
         return tuple(constrain(jnp.zeros(s, dt), axes) for s in shape)
 
+    def ones(shape):
+        return tuple(constrain(jnp.ones(s[:-1], jnp.float32), scale_axes(axes)) for s in shape)
+
     units = [(seg.repeats, len(seg.unit), sum(1 for kind in seg.unit if kind[1] == "full")) for seg in segments]
-    return (zeros([(r, n, batch, slots, cfg.kv_lora_rank) for r, n, _ in units], dtype),
-            zeros([(r, n, batch, slots, cfg.qk_rope_head_dim) for r, n, _ in units], dtype),
-            zeros([(r, f, batch, slots, cfg.index_head_dim) for r, _, f in units], dtype))
+    latent = [(r, n, batch, slots, cfg.kv_lora_rank) for r, n, _ in units]
+    keys = [(r, f, batch, slots, cfg.index_head_dim) for r, _, f in units]
+    values = cache_fp8.values_dtype(cache_dtype, dtype)
+    quantized = cache_fp8.quantized(cache_dtype)
+    return dict(c_kv=zeros(latent, values), k_rope=zeros([(r, n, batch, slots, cfg.qk_rope_head_dim)
+                                                          for r, n, _ in units], dtype),
+                index_k=zeros(keys, values), c_scale=ones(latent) if quantized else (),
+                i_scale=ones(keys) if quantized else ())
 
 
-def cache_from_entries(new_c, new_r, new_i, seq: int, capacity: int, dtype) -> KVCache:
+def cache_from_entries(new_c, new_r, new_i, seq: int, capacity: int, dtype, cache_dtype: str = "auto") -> KVCache:
     """A cache holding a whole prompt's entries (per segment [repeats, U|F, B, S, *], slot order)
-    in slots `0 .. S-1` of `capacity`, laid out as `init_cache` + `write_chunk` would leave it."""
+    in slots `0 .. S-1` of `capacity`, laid out as `init_cache` + `write_chunk` would leave it (the
+    latents and keys quantized per row with a quantized `cache_dtype`)."""
 
-    def fill(chunk, dt):
+    def fill(chunk, dt, fill_value=0):
         chunk = chunk.astype(dt)
-        full = jnp.pad(chunk, ((0, 0),) * 3 + ((0, capacity - seq), (0, 0)))
-        return constrain(full, CACHE_AXES)
+        pad = ((0, 0),) * 3 + ((0, capacity - seq),) + ((0, 0),) * (chunk.ndim - 4)
+        full = jnp.pad(chunk, pad, constant_values=fill_value)
+        return constrain(full, CACHE_AXES[:full.ndim])
 
-    return KVCache(tuple(fill(a, dtype) for a in new_c), tuple(fill(a, dtype) for a in new_r),
-                   tuple(fill(a, dtype) for a in new_i), jnp.asarray(seq, jnp.int32))
+    quantized = cache_fp8.quantized(cache_dtype)
+    new_c, c_scale = cache_fp8.store_rows(new_c, quantized)
+    new_i, i_scale = cache_fp8.store_rows(new_i, quantized)
+    values = cache_fp8.values_dtype(cache_dtype, dtype)
+    return KVCache(tuple(fill(a, values) for a in new_c), tuple(fill(a, dtype) for a in new_r),
+                   tuple(fill(a, values) for a in new_i), jnp.asarray(seq, jnp.int32),
+                   tuple(fill(a, jnp.float32, 1.0) for a in c_scale), tuple(fill(a, jnp.float32, 1.0) for a in i_scale))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +186,8 @@ class LayerCacheView:
 
     c_kv / k_rope: the segment's [repeats, U, B, Cap, *] stacks, `slot` = (repeat, unit slot);
     index_k: the segment's [repeats, F, B, Cap, I] stack with `index_slot` = (repeat, full slot),
-    or None on a 'shared' layer. `length`: cached tokens ([] int32).
+    or None on a 'shared' layer. `length`: cached tokens ([] int32). c_scale [repeats, U, B, Cap] /
+    i_scale [repeats, F, B, Cap]: the per-row scales of e4m3 c_kv / index_k, else None.
     """
 
     c_kv: jax.Array
@@ -148,6 +196,8 @@ class LayerCacheView:
     slot: tuple
     index_slot: tuple | None
     length: jax.Array
+    c_scale: jax.Array | None = None
+    i_scale: jax.Array | None = None
 
     @property
     def capacity(self) -> int:
@@ -162,17 +212,21 @@ class SegmentCache:
     k_rope: jax.Array  # [repeats, U, B, Cap, R]
     index_k: jax.Array  # [repeats, F, B, Cap, I]
     length: jax.Array
+    c_scale: jax.Array | None = None  # [repeats, U, B, Cap] with an e4m3 c_kv
+    i_scale: jax.Array | None = None  # [repeats, F, B, Cap] with an e4m3 index_k
 
     def layer(self, rep, slot: int, full_slot: int | None) -> LayerCacheView:
         """The view of unit layer `slot` at repeat `rep`; `full_slot`: its index among the unit's
         'full' layers, None on a 'shared' layer (no indexer keys)."""
         full = full_slot is not None
         return LayerCacheView(self.c_kv, self.k_rope, self.index_k if full else None, (rep, slot),
-                              (rep, full_slot) if full else None, self.length)
+                              (rep, full_slot) if full else None, self.length, self.c_scale,
+                              self.i_scale if full else None)
 
 
 def write_chunk(cache: KVCache, new_c, new_r, new_i, seq: int) -> KVCache:
     """Writes a chunk's entries (per segment [repeats, U|F, B, S, *]) at slot `length`; length += S.
+    A quantized cache stores the latents and keys as e4m3 rows and their scales (`cache_fp8.store_rows`).
 
     One `dynamic_update_slice` per stacked array: under jit, with the cache in a loop carry or
     donated, XLA updates it in place instead of copying the whole cache per layer. Under a mesh
@@ -188,12 +242,16 @@ def write_chunk(cache: KVCache, new_c, new_r, new_i, seq: int) -> KVCache:
         else:
             # Also the fallback for a capacity the slot shards do not divide (the sampler never makes
             # one: `slot_capacity`): correct, but GSPMD may gather the stack around the update.
-            updated = jax.lax.dynamic_update_slice(stack, chunk, (0, 0, 0, cache.length, 0))
+            updated = jax.lax.dynamic_update_slice(stack, chunk, (0, 0, 0, cache.length) + (0,) * (stack.ndim - 4))
         # The sequence axis stays sharded (context parallel) under a mesh; a no-op without one.
-        return constrain(updated, CACHE_AXES)
+        return constrain(updated, CACHE_AXES[:stack.ndim])
 
+    quantized = bool(cache.c_scale)
+    new_c, c_scale = cache_fp8.store_rows(new_c, quantized)
+    new_i, i_scale = cache_fp8.store_rows(new_i, quantized)
     return KVCache(tuple(map(put, cache.c_kv, new_c)), tuple(map(put, cache.k_rope, new_r)),
-                   tuple(map(put, cache.index_k, new_i)), cache.length + seq)
+                   tuple(map(put, cache.index_k, new_i)), cache.length + seq,
+                   tuple(map(put, cache.c_scale, c_scale)), tuple(map(put, cache.i_scale, i_scale)))
 
 
 def slot_axes() -> tuple[str, ...]:
@@ -208,14 +266,15 @@ def slot_axes() -> tuple[str, ...]:
 
 def _write_sharded(stack: jax.Array, chunk: jax.Array, length: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """`stack: [reps, U|F, B, Cap, *]` with slots sharded on `axes`, `chunk: [reps, U|F, B, S, *]`
-    (same dtype) written at global slot `length`, each device touching only its own slots.
+    (same dtype) written at global slot `length`, each device touching only its own slots. `*` is the
+    feature axis, or none for a scale stack.
 
     A `dynamic_update_slice` at a traced offset on a sharded axis makes GSPMD all-gather the whole
     stack on every device, and a select over the stack rewrites every slot of every layer each
     step; inside a shard_map over the slot axes each device instead reads and rewrites one window
     of its shard in place (`_write_local`). Other mesh axes (the batch's) stay automatic.
     """
-    slots = P(None, None, None, axes, None)
+    slots = P(None, None, None, axes, *(None,) * (stack.ndim - 4))
 
     def local(stack, chunk, length):
         return _write_local(stack, chunk, length, jax.lax.axis_index(axes) * stack.shape[3])
@@ -243,5 +302,5 @@ def _write_local(shard: jax.Array, chunk: jax.Array, length: jax.Array, base: ja
     lands = (rows >= 0) & (rows < seq)
     incoming = jnp.take(chunk, rows, axis=3, mode="clip")  # rows that do not land are masked below
     current = jax.lax.dynamic_slice_in_dim(shard, start, window, axis=3)
-    update = jnp.where(lands[:, None], incoming, current)
+    update = jnp.where(lands.reshape(window, *(1,) * (shard.ndim - 4)), incoming, current)
     return jax.lax.dynamic_update_slice_in_dim(shard, update, start, axis=3)

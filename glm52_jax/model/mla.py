@@ -116,7 +116,7 @@ class Attention(nnx.Module):
             if cache is None:
                 rows = array_rows(c_kv, k_rope)
             else:
-                rows = cached_rows(cache.c_kv, cache.k_rope, cache.slot, cache.length, c_kv, k_rope)
+                rows = cached_rows(cache.c_kv, cache.k_rope, cache.slot, cache.length, c_kv, k_rope, cache.c_scale)
             out_lat = sparse_mla_rows(q_lat, q_rope, rows, topk, scale=cfg.softmax_scale,
                                       query_block=self.opts.attention_query_block, kernels=self.opts.kernels)
         out = project(out_lat, self.w_uv, "bshc,chv->bshv", None if kv_b is None else kv_b.value)
@@ -134,7 +134,7 @@ class Attention(nnx.Module):
         # Cached keys and the chunk's own keys are scored separately and merged, so the cache
         # is only read (in place) here and written once per chunk by the caller.
         past = cached_topk(iq, iw, cache.index_k, cache.index_slot, positions, cache.length, cfg.index_topk,
-                           scale=iscale, **blocks)
+                           scale=iscale, key_scales=cache.i_scale, **blocks)
         vals, idx = streaming_topk(iq, iw, ik, positions, positions, cfg.index_topk, scale=iscale,
                                    return_scores=True, **blocks)
         own = (vals, jnp.where(idx >= 0, idx + cache.length, idx))

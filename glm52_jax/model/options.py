@@ -6,7 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from glm52_jax.choices import KERNELS, MOE_TRANSPORTS
+from glm52_jax.choices import CACHE_DTYPES, KERNELS, MOE_TRANSPORTS
 from glm52_jax.model.lora import LoRAConfig
 
 
@@ -38,6 +38,10 @@ class ModelOptions:
     `gather_weights_min_tokens`: a call (layer stack, logits) that routes fewer tokens than this (static:
     B x S) keeps the FSDP-sharded frozen matrices in place and runs their projections tensor-parallel
     (`parallel.tensor_parallel`: the activations move, not the weights); 0 (default) always gathers.
+    `cache_dtype`: what the decode / prefix caches store of the MLA latent and the indexer key: "auto" (the
+    parameter dtype) or "float8_e4m3fn" (e4m3 with one float32 scale per cached row, `model/cache_fp8.py`:
+    half of bf16's bytes). The sampler's caches, response_only's prefix and the new log-probs' prompt use it;
+    shared_prefix keeps its differentiated prefix in the parameter dtype (rounding has no gradient).
     """
 
     param_dtype: object = jnp.bfloat16
@@ -52,6 +56,7 @@ class ModelOptions:
     moe_transport: str = "auto"
     moe_receive_capacity: float = 0.0
     gather_weights_min_tokens: int = 0
+    cache_dtype: str = "auto"
 
     def __post_init__(self):
         for name in ("indexer_query_block", "indexer_key_block", "attention_query_block", "moe_token_block"):
@@ -73,5 +78,7 @@ class ModelOptions:
         if not (self.moe_receive_capacity == 0 or self.moe_receive_capacity >= 1):
             raise ValueError(f"ModelOptions.moe_receive_capacity: expected 0 (worst case) or >= 1, "
                              f"got {self.moe_receive_capacity!r}")
+        if self.cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"ModelOptions.cache_dtype: expected one of {CACHE_DTYPES}, got {self.cache_dtype!r}")
         if self.lora is not None and not isinstance(self.lora, LoRAConfig):
             raise ValueError(f"ModelOptions.lora: expected a LoRAConfig or None, got {self.lora!r}")

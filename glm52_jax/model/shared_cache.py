@@ -32,6 +32,11 @@ entries are computed replicated there anyway, so the write needs no communicatio
 suffix row is owned by the device its slot would sit on in the prompt's slot layout (the last
 device past the prompt's capacity), so each row counts once in the combine.
 
+With an FP8 cache (`model/cache_fp8.py`) both the prompt cache and the suffix hold e4m3 latents and keys
+with per-row scales: the prompt's selected rows are gathered with their scales and dequantized, the prompt's
+keys dequantized one block at a time by the indexer; the suffix (G x Rc rows per layer, small) is
+dequantized per layer before the chunk's own rows, which are attended as computed, are placed after it.
+
 Axis letters: G rows (samples), S chunk tokens per row, Cap prompt slots, Rc suffix slots,
 Rs = Rc + S, C kv_lora, R rope, I indexer dim, H heads, K top-k.
 """
@@ -45,6 +50,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from glm52_jax.config import ModelConfig
+from glm52_jax.model import cache_fp8
 from glm52_jax.model import context_parallel as context
 from glm52_jax.model.indexer import cached_topk, merge_topk, streaming_topk
 from glm52_jax.model.kv_cache import KVCache, LayerCacheView, SegmentCache, empty_stacks
@@ -60,13 +66,16 @@ SUFFIX_AXES = ("layers", None, "batch", None, None)
 class SuffixCache:
     """Per-sample cache of the tokens after a shared prompt, grouped like `KVCache`:
     c_kv[s] [repeats, U, G, Rc, C], k_rope[s] [repeats, U, G, Rc, R], index_k[s] [repeats, F, G, Rc, I]
-    (all in the cache dtype); `length`: tokens written ([] int32, the same for every row). Rc = 0 is an empty suffix
-    (one chunk run after the prompt and discarded: the response_only update, the new log-probs)."""
+    (in the cache dtype); `length`: tokens written ([] int32, the same for every row). Rc = 0 is an empty suffix
+    (one chunk run after the prompt and discarded: the response_only update, the new log-probs). With an FP8
+    cache c_scale[s] [repeats, U, G, Rc] and i_scale[s] [repeats, F, G, Rc] hold the per-row scales, else ()."""
 
     c_kv: tuple[jax.Array, ...]
     k_rope: tuple[jax.Array, ...]
     index_k: tuple[jax.Array, ...]
     length: jax.Array
+    c_scale: tuple[jax.Array, ...] = ()
+    i_scale: tuple[jax.Array, ...] = ()
 
     @property
     def capacity(self) -> int:
@@ -76,29 +85,45 @@ class SuffixCache:
     def rows(self) -> int:
         return self.c_kv[0].shape[2]
 
+    @property
+    def cache_dtype(self) -> str:
+        return cache_fp8.E4M3.name if self.c_scale else "auto"
+
+    def stacks(self) -> tuple:
+        """Every array the suffix holds (values and scales), not `length`."""
+        return self.c_kv, self.k_rope, self.index_k, self.c_scale, self.i_scale
+
     def nbytes(self) -> int:
-        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((self.c_kv, self.k_rope, self.index_k)))
+        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self.stacks()))
 
 
-def init_suffix(cfg: ModelConfig, segments, rows: int, capacity: int, dtype=jnp.bfloat16) -> SuffixCache:
-    """An empty suffix for `rows` samples of up to `capacity` tokens each (`capacity` may be 0)."""
+def init_suffix(cfg: ModelConfig, segments, rows: int, capacity: int, dtype=jnp.bfloat16,
+                cache_dtype: str = "auto") -> SuffixCache:
+    """An empty suffix for `rows` samples of up to `capacity` tokens each (`capacity` may be 0), in the model's
+    `dtype` or with e4m3 latents and keys (`cache_dtype`)."""
     if rows <= 0 or capacity < 0:
         raise ValueError(f"suffix rows must be positive and capacity >= 0, got rows={rows} capacity={capacity}")
-    return SuffixCache(*empty_stacks(cfg, segments, rows, capacity, dtype, SUFFIX_AXES), jnp.zeros((), jnp.int32))
+    return SuffixCache(**empty_stacks(cfg, segments, rows, capacity, dtype, SUFFIX_AXES, cache_dtype),
+                       length=jnp.zeros((), jnp.int32))
 
 
 def write_suffix(suffix: SuffixCache, new_c, new_r, new_i, seq: int) -> SuffixCache:
-    """Writes a chunk's entries (per segment [repeats, U|F, G, S, *]) at suffix slot `length`; length += S.
-    An empty suffix (capacity 0) keeps nothing and is returned as it is."""
+    """Writes a chunk's entries (per segment [repeats, U|F, G, S, *]) at suffix slot `length`; length += S
+    (quantized per row in an FP8 suffix). An empty suffix (capacity 0) keeps nothing and is returned as it is."""
     if suffix.capacity == 0:
         return suffix
 
     def put(stack, chunk):
-        updated = jax.lax.dynamic_update_slice(stack, chunk.astype(stack.dtype), (0, 0, 0, suffix.length, 0))
-        return constrain(updated, SUFFIX_AXES)
+        start = (0, 0, 0, suffix.length) + (0,) * (stack.ndim - 4)
+        updated = jax.lax.dynamic_update_slice(stack, chunk.astype(stack.dtype), start)
+        return constrain(updated, SUFFIX_AXES[:stack.ndim])
 
+    quantized = bool(suffix.c_scale)
+    new_c, c_scale = cache_fp8.store_rows(new_c, quantized)
+    new_i, i_scale = cache_fp8.store_rows(new_i, quantized)
     return SuffixCache(tuple(map(put, suffix.c_kv, new_c)), tuple(map(put, suffix.k_rope, new_r)),
-                       tuple(map(put, suffix.index_k, new_i)), suffix.length + seq)
+                       tuple(map(put, suffix.index_k, new_i)), suffix.length + seq,
+                       tuple(map(put, suffix.c_scale, c_scale)), tuple(map(put, suffix.i_scale, i_scale)))
 
 
 @jax.tree_util.register_dataclass
@@ -120,7 +145,8 @@ class SharedCache:
 
     def segment(self, s: int) -> SharedSegment:
         sfx = self.suffix
-        return SharedSegment(self.prompt.segment(s), sfx.c_kv[s], sfx.k_rope[s], sfx.index_k[s], sfx.length)
+        scales = (sfx.c_scale[s], sfx.i_scale[s]) if sfx.c_scale else (None, None)
+        return SharedSegment(self.prompt.segment(s), sfx.c_kv[s], sfx.k_rope[s], sfx.index_k[s], sfx.length, *scales)
 
     def write(self, new_c, new_r, new_i, seq: int) -> SharedCache:
         return SharedCache(self.prompt, write_suffix(self.suffix, new_c, new_r, new_i, seq))
@@ -128,18 +154,22 @@ class SharedCache:
 
 @dataclasses.dataclass(frozen=True)
 class SharedSegment:
-    """One segment of a `SharedCache`: the prompt's stacks and the suffix's ([repeats, U|F, G, Rc, *])."""
+    """One segment of a `SharedCache`: the prompt's stacks and the suffix's ([repeats, U|F, G, Rc, *]; scales
+    [repeats, U|F, G, Rc] with an FP8 suffix, else None)."""
 
     prompt: SegmentCache
     c_kv: jax.Array
     k_rope: jax.Array
     index_k: jax.Array
     length: jax.Array  # suffix tokens written
+    c_scale: jax.Array | None = None
+    i_scale: jax.Array | None = None
 
     def layer(self, rep, slot: int, full_slot: int | None) -> SharedLayerView:
         full = full_slot is not None
         return SharedLayerView(self.prompt.layer(rep, slot, full_slot), self.c_kv, self.k_rope,
-                               self.index_k if full else None, self.length)
+                               self.index_k if full else None, self.length, self.c_scale,
+                               self.i_scale if full else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,15 +182,22 @@ class SharedLayerView:
     suffix_r: jax.Array
     suffix_i: jax.Array | None
     suffix_length: jax.Array
+    suffix_cs: jax.Array | None = None  # per-row scales of an e4m3 suffix_c / suffix_i
+    suffix_is: jax.Array | None = None
 
     @property
     def key_slots(self) -> int:
         return self.prompt.capacity + self.suffix_c.shape[-2]
 
-    def rows_with_chunk(self, stack: jax.Array, index: tuple, chunk: jax.Array) -> jax.Array:
+    def rows_with_chunk(self, stack: jax.Array, index: tuple, chunk: jax.Array, scales: jax.Array | None = None):
         """This layer's suffix rows `[G, Rc, X]` with the chunk `[G, S, X]` placed after the written ones:
-        `[G, Rs, X]` in the stack's dtype, row j = key slot L + j (slots past the chunk are never visible)."""
-        layer = stack[tuple(jnp.asarray(i, jnp.int32) for i in index)]
+        `[G, Rs, X]` in the stack's dtype, row j = key slot L + j (slots past the chunk are never visible).
+        An e4m3 stack (with its `scales`) is dequantized to the chunk's dtype first: this layer's G x Rc rows,
+        small, and the chunk's own rows enter as computed (they are quantized when written, after the scan)."""
+        lead = tuple(jnp.asarray(i, jnp.int32) for i in index)
+        layer = stack[lead]
+        if scales is not None:
+            layer = cache_fp8.read_rows(layer, scales[lead], chunk.dtype)
         layer = jnp.pad(layer, ((0, 0), (0, chunk.shape[1]), (0, 0)))
         return jax.lax.dynamic_update_slice(layer, chunk.astype(layer.dtype), (0, self.suffix_length, 0))
 
@@ -177,13 +214,13 @@ def attention(q_lat, q_rope, c_new, r_new, positions, view: SharedLayerView, ind
     prompt = view.prompt
     rows, seq = q_lat.shape[:2]
     kk = min(index_topk, view.key_slots)
-    suffix_c = view.rows_with_chunk(view.suffix_c, prompt.slot, c_new)
+    suffix_c = view.rows_with_chunk(view.suffix_c, prompt.slot, c_new, view.suffix_cs)
     suffix_r = view.rows_with_chunk(view.suffix_r, prompt.slot, r_new)
     query_index = suffix_candidates = None
     if index is not None:
         iq, iw, ik_new = index
         query_index = (iq, iw)
-        keys = view.rows_with_chunk(view.suffix_i, prompt.index_slot, ik_new)  # [G,Rs,I] float32
+        keys = view.rows_with_chunk(view.suffix_i, prompt.index_slot, ik_new, view.suffix_is)  # [G,Rs,I] float32
         key_pos = prompt.length + jnp.arange(keys.shape[1], dtype=jnp.int32)
         vals, idx = streaming_topk(iq, iw, keys, positions, key_pos, index_topk, scale=index_scale,
                                    return_scores=True, **indexer_blocks)
@@ -195,23 +232,25 @@ def attention(q_lat, q_rope, c_new, r_new, positions, view: SharedLayerView, ind
                                  suffix_candidates, prev_topk, scoring, softmax_scale)
     topk = prev_topk
     if index is not None:
-        past = prompt_candidates(iq, iw, prompt.index_k, prompt.index_slot, positions, prompt.length, scoring)
+        past = prompt_candidates(iq, iw, prompt.index_k, prompt.index_slot, positions, prompt.length, scoring,
+                                 prompt.i_scale)
         topk = merge_topk(past, suffix_candidates, kk)
-    source = cached_rows(prompt.c_kv, prompt.k_rope, prompt.slot, prompt.length, suffix_c, suffix_r)
+    source = cached_rows(prompt.c_kv, prompt.k_rope, prompt.slot, prompt.length, suffix_c, suffix_r, prompt.c_scale)
     out = sparse_mla_rows(q_lat, q_rope, source, topk, scale=softmax_scale, query_block=attention_query_block,
                           kernels=kernels)
     return out, topk
 
 
-def prompt_candidates(iq, iw, keys, index_slot, positions, length, scoring: dict):
+def prompt_candidates(iq, iw, keys, index_slot, positions, length, scoring: dict, key_scales=None):
     """Top-k candidates of the G*S queries (`iq: [G,S,Hi,I]`, `iw: [G,S,Hi]`) over prompt slots [0, length)
-    of the batch-1 key stack `keys: [..., 1, Cap, I]`, scored as the queries of one batch row (all rows
-    sit at the same `positions: [S]`). Returns (scores, slots) [G,S,k], INVALID / -inf where empty."""
+    of the batch-1 key stack `keys: [..., 1, Cap, I]` (e4m3 with `key_scales: [..., 1, Cap]`, or None), scored
+    as the queries of one batch row (all rows sit at the same `positions: [S]`). Returns (scores, slots)
+    [G,S,k], INVALID / -inf where empty."""
     rows, seq = iq.shape[:2]
     q = iq.reshape(1, rows * seq, *iq.shape[2:])
     w = iw.reshape(1, rows * seq, iw.shape[-1])
     vals, idx = cached_topk(q, w, keys, index_slot, jnp.tile(positions, rows), length, scoring["topk"],
-                            scale=scoring["scale"], **scoring["blocks"])
+                            scale=scoring["scale"], key_scales=key_scales, **scoring["blocks"])
     return vals.reshape(rows, seq, -1), idx.reshape(rows, seq, -1)
 
 
@@ -222,15 +261,16 @@ def _context_parallel(sharded, q_lat, q_rope, suffix_c, suffix_r, positions, pro
     axes, ways = sharded
     replicated = P()
     slots = P(None, None, None, axes, None)
+    scale_slots = P(None, None, None, axes)
 
     def per_device(q_lat, q_rope, suffix_c, suffix_r, positions, cache_c, cache_r, cache_i, slot, index_slot, length,
-                   query_index, suffix_candidates, prev_topk):
+                   query_index, suffix_candidates, prev_topk, cache_cs, cache_is):
         local_cap = cache_c.shape[-2]
         me = jax.lax.axis_index(axes)
         base = me * local_cap
         if query_index is not None:
             local_len = jnp.clip(length - base, 0, local_cap)
-            vals, idx = prompt_candidates(*query_index, cache_i, index_slot, positions, local_len, scoring)
+            vals, idx = prompt_candidates(*query_index, cache_i, index_slot, positions, local_len, scoring, cache_is)
             idx = jnp.where(idx >= 0, idx + base, idx)
             # [N,G,S,k] -> [G,S,N*k]: device order is slot order, so ties keep the lowest slot.
             cand = tuple(jnp.moveaxis(jax.lax.all_gather(a, axes), 0, 2).reshape(*a.shape[:2], -1) for a in (vals, idx))
@@ -243,23 +283,34 @@ def _context_parallel(sharded, q_lat, q_rope, suffix_c, suffix_r, positions, pro
         local = jnp.clip(topk - base, 0, local_cap - 1)
         own = jnp.clip(topk - length, 0, suffix_c.shape[1] - 1)
         lead = tuple(jnp.asarray(i, jnp.int32) for i in slot)
-        kv, kr = (jnp.where(in_prompt[..., None], cached[(*lead, 0, local)],
-                            jax.vmap(lambda r, i: r[i])(fresh, own).astype(cached.dtype)).astype(q_lat.dtype)
-                  for cached, fresh in ((cache_c, suffix_c), (cache_r, suffix_r)))
+
+        def selected(cached, scales, fresh):  # [G,S,K,*]: the selected prompt rows, else the suffix's
+            past, mine = cached[(*lead, 0, local)], jax.vmap(lambda r, i: r[i])(fresh, own)
+            if scales is None:
+                mine = mine.astype(cached.dtype)
+            else:  # e4m3: only the gathered rows are dequantized, with their gathered scales
+                past = cache_fp8.read_rows(past, scales[(*lead, 0, local)], fresh.dtype)
+            return jnp.where(in_prompt[..., None], past, mine).astype(q_lat.dtype)
+
+        kv, kr = selected(cache_c, cache_cs, suffix_c), selected(cache_r, None, suffix_r)
         return context.lse_attention(q_lat, q_rope, kv, kr, keep, softmax_scale, axes), topk
 
     has_index = query_index is not None
+    quantized = prompt.c_scale is not None
     fn = jax.shard_map(
         per_device,
         in_specs=(replicated,) * 5 + (slots, slots, slots if has_index else None, replicated,
                                       replicated if has_index else None, replicated,
                                       (replicated,) * 2 if has_index else None,
                                       (replicated,) * 2 if has_index else None,
-                                      None if prev_topk is None else replicated),
+                                      None if prev_topk is None else replicated,
+                                      scale_slots if quantized else None,
+                                      scale_slots if quantized and has_index else None),
         out_specs=(replicated, replicated), axis_names=frozenset(axes), check_vma=False)
     # Replicated inputs get their cotangents summed over `axes` in the backward; float32 for the reasons
     # `cp_cached_attention` gives (the suffix rows are cache-dtype values, exact in float32).
     f32 = [a.astype(jnp.float32) for a in (q_lat, q_rope, suffix_c, suffix_r)]
     out, topk = fn(*f32, positions, prompt.c_kv, prompt.k_rope, prompt.index_k if has_index else None, prompt.slot,
-                   prompt.index_slot if has_index else None, prompt.length, query_index, suffix_candidates, prev_topk)
+                   prompt.index_slot if has_index else None, prompt.length, query_index, suffix_candidates, prev_topk,
+                   prompt.c_scale, prompt.i_scale if has_index else None)
     return out.astype(q_lat.dtype), topk

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from glm52_jax import kernels as kernel_seam
 from glm52_jax.kernels.sparse_mla import encode_rows, sparse_mla_tables, supported_widths
+from glm52_jax.model import cache_fp8
 
 _MASKED = -1e30
 
@@ -40,6 +41,9 @@ class ArrayRows:
     `tables()` / `row_ids(idx)` describe the same rows to the kernels: flat tables `[B*T, *]` and the
     absolute row of each slot.
     """
+
+    # The kernels may read these rows in place from `tables()` (see `CachedRows.in_place`).
+    in_place = True
 
     def __init__(self, c_kv: jax.Array, k_rope: jax.Array):
         self.c_kv, self.k_rope = c_kv, k_rope
@@ -69,12 +73,19 @@ class CachedRows:
     rows `new_c: [B,S,C]`, `new_r: [B,S,R]` (slot `length + j` is chunk row j). A batch-1 stack is
     shared by all B rows (`model/shared_cache.py`: one prompt cache, `new_*` each row's suffix and
     chunk). For the kernels the tables are the whole stack flattened to rows (A) and the chunk's rows (B).
+
+    An FP8 cache (`c_scale: [..., B, Cap]`, the e4m3 `cache_c` rows' scales) is read by gathering: the
+    selected e4m3 rows and their scales are gathered and only those rows dequantized (to the chunk's dtype).
+    The kernels read rows of the cache table in place and know no per-row scale, so such a source is not
+    `in_place` and `sparse_mla_rows` takes the reference (gathered) path for it.
     """
 
-    def __init__(self, cache_c, cache_r, index: tuple, length, new_c, new_r):
+    def __init__(self, cache_c, cache_r, index: tuple, length, new_c, new_r, c_scale=None):
         self.cache_c, self.cache_r, self.new_c, self.new_r = cache_c, cache_r, new_c, new_r
         self.lead = tuple(jnp.asarray(i, jnp.int32) for i in index)
         self.length = length
+        self.c_scale = c_scale
+        self.in_place = c_scale is None
 
     def _slots(self, idx):
         b = jnp.arange(idx.shape[0], dtype=jnp.int32)[:, None, None]
@@ -90,8 +101,11 @@ class CachedRows:
     def __call__(self, idx):  # [B,s,K], all >= 0
         b, in_cache, old, new = self._slots(idx)
         out = []
-        for cached, fresh in ((self.cache_c, self.new_c), (self.cache_r, self.new_r)):
-            past = cached[(*self.lead, self._cache_row(b), old)]
+        for cached, scales, fresh in ((self.cache_c, self.c_scale, self.new_c), (self.cache_r, None, self.new_r)):
+            at = (*self.lead, self._cache_row(b), old)
+            past = cached[at]
+            if scales is not None:  # the gathered e4m3 rows dequantized with their gathered scales
+                past = cache_fp8.read_rows(past, scales[at], fresh.dtype)
             mine = _gather_rows(fresh, new).astype(past.dtype)
             out.append(jnp.where(in_cache[..., None], past, mine))
         return tuple(out)
@@ -111,9 +125,10 @@ class CachedRows:
 
 
 def cached_rows(cache_c: jax.Array, cache_r: jax.Array, index: tuple, length: jax.Array, new_c: jax.Array,
-                new_r: jax.Array) -> CachedRows:
-    """Row source for a chunk attending to a stacked cache plus its own keys (see `CachedRows`)."""
-    return CachedRows(cache_c, cache_r, index, length, new_c, new_r)
+                new_r: jax.Array, c_scale: jax.Array | None = None) -> CachedRows:
+    """Row source for a chunk attending to a stacked cache plus its own keys (see `CachedRows`; `c_scale`:
+    the per-row scales of an e4m3 `cache_c`)."""
+    return CachedRows(cache_c, cache_r, index, length, new_c, new_r, c_scale)
 
 
 def sparse_mla(q_lat: jax.Array, q_rope: jax.Array, c_kv: jax.Array, k_rope: jax.Array, topk: jax.Array, *,
@@ -142,8 +157,9 @@ def _pallas_interpret(kernels: str, q_lat: jax.Array, q_rope: jax.Array) -> bool
 def sparse_mla_rows(q_lat: jax.Array, q_rope: jax.Array, rows, topk: jax.Array, *, scale: float,
                     query_block: int, kernels: str = "reference") -> jax.Array:
     """`sparse_mla` with the keys given as a row source (`ArrayRows` / `CachedRows`, or any callable
-    `rows(idx [B,s,K]) -> ([B,s,K,C], [B,s,K,R])` for the reference)."""
-    interpret = _pallas_interpret(kernels, q_lat, q_rope)
+    `rows(idx [B,s,K]) -> ([B,s,K,C], [B,s,K,R])` for the reference). A source that is not `in_place` (an
+    FP8 cache's rows: `CachedRows`) always takes the reference's gathered path."""
+    interpret = _pallas_interpret(kernels, q_lat, q_rope) if getattr(rows, "in_place", True) else None
     if interpret is not None:
         valid = topk >= 0
         codes = encode_rows(rows.row_ids(jnp.where(valid, topk, 0)), valid)

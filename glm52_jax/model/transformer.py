@@ -222,9 +222,10 @@ class GlmMoeDsa(nnx.Module):
         h, _, cache, _ = self._run(input_ids, positions, cache)
         return h, cache.suffix
 
-    def prefill(self, input_ids: jax.Array, capacity: int) -> tuple[jax.Array, KVCache]:
+    def prefill(self, input_ids: jax.Array, capacity: int, cache_dtype: str | None = None) -> tuple[jax.Array, KVCache]:
         """Whole-prompt prefill: the uncached forward of `input_ids: [B,S]` from position 0 that
-        also returns a cache of `capacity` slots holding its S tokens.
+        also returns a cache of `capacity` slots holding its S tokens (stored as `cache_dtype`, default
+        `opts.cache_dtype`; the forward itself attends to the keys as computed).
 
         Under a mesh that shards the sequence this is the explicit context-parallel forward
         (sharded queries, all-gathered key side), the same as `hidden_states`; each layer's cache
@@ -250,7 +251,8 @@ class GlmMoeDsa(nnx.Module):
             h = context.from_layout(h, layout)[:, :seq]
             # [reps, U|F, B, L, *] in layout order -> slot order, padding dropped.
             entries = jax.tree.map(lambda a: context.from_layout(a, layout, axis=3)[:, :, :, :seq], entries)
-        return h, cache_from_entries(*entries, seq, capacity, self.opts.param_dtype)
+        return h, cache_from_entries(*entries, seq, capacity, self.opts.param_dtype,
+                                     self.opts.cache_dtype if cache_dtype is None else cache_dtype)
 
     def keeps_weights_sharded(self, tokens: int) -> bool:
         """Whether a call routing `tokens` tokens (static) uses its FSDP-sharded weights in place, tensor-parallel
@@ -326,18 +328,21 @@ class GlmMoeDsa(nnx.Module):
             cache = cache.write(new_c, new_r, new_i, seq)
         return h, produced, cache, ((new_c, new_r, new_i) if emit_entries else None)
 
-    def init_cache(self, batch: int, capacity: int, dtype=None) -> KVCache:
-        """An empty decode cache (dtype defaults to the parameter dtype).
+    def init_cache(self, batch: int, capacity: int, dtype=None, cache_dtype: str | None = None) -> KVCache:
+        """An empty decode cache (dtype defaults to the parameter dtype, cache_dtype to `opts.cache_dtype`).
 
         `capacity` may exceed max_position_embeddings: the extra slots are padding that lets the
         devices sharding the slot axis divide it (`kv_cache.slot_capacity`); they are never written
         or attended, since whoever decodes keeps prompt + new tokens within the position limit.
         """
-        return init_cache(self.cfg, self.segments_plan, batch, capacity, dtype or self.opts.param_dtype)
+        return init_cache(self.cfg, self.segments_plan, batch, capacity, dtype or self.opts.param_dtype,
+                          cache_dtype or self.opts.cache_dtype)
 
-    def init_suffix(self, rows: int, capacity: int, dtype=None) -> SuffixCache:
-        """An empty per-sample suffix for `forward_shared` (`capacity` 0: run one chunk, keep nothing)."""
-        return init_suffix(self.cfg, self.segments_plan, rows, capacity, dtype or self.opts.param_dtype)
+    def init_suffix(self, rows: int, capacity: int, dtype=None, cache_dtype: str | None = None) -> SuffixCache:
+        """An empty per-sample suffix for `forward_shared` (`capacity` 0: run one chunk, keep nothing); its
+        `cache_dtype` defaults to `opts.cache_dtype`."""
+        return init_suffix(self.cfg, self.segments_plan, rows, capacity, dtype or self.opts.param_dtype,
+                           cache_dtype or self.opts.cache_dtype)
 
     def unembedding(self) -> jax.Array:
         """The logits projection's weight (lm_head [D,V], or the tied embedding [V,D]), gathered whole."""

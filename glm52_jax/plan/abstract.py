@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from glm52_jax.model.kv_cache import CACHE_AXES, KVCache, init_cache
+from glm52_jax.model.kv_cache import CACHE_AXES, KVCache, init_cache, scale_axes
 from glm52_jax.model.shared_cache import SUFFIX_AXES, SuffixCache, init_suffix
 from glm52_jax.model.transformer import GlmMoeDsa, layer_kinds, plan_segments
 from glm52_jax.parallel.placement import sharding_for
@@ -67,8 +67,8 @@ def tree_bytes(tree, per_device: bool) -> int:
 
 
 def cache_bytes(cache: KVCache | SuffixCache, per_device: bool) -> int:
-    """Bytes of a cache's arrays (not its `length` scalar)."""
-    return tree_bytes((cache.c_kv, cache.k_rope, cache.index_k), per_device)
+    """Bytes of a cache's arrays, an FP8 cache's scales included (not its `length` scalar)."""
+    return tree_bytes(cache.stacks(), per_device)
 
 
 def abstract_model(cfg, opts, mesh) -> tuple[nnx.GraphDef, nnx.State]:
@@ -93,21 +93,26 @@ def model_segments(cfg) -> tuple:
     return tuple(plan_segments(layer_kinds(cfg)))
 
 
-def abstract_cache(cfg, segments, batch: int, capacity: int, dtype, mesh) -> KVCache:
-    """A KVCache of ShapeDtypeStructs ([batch, capacity] slots per layer), slots sharded like
-    `write_chunk` keeps them (CACHE_AXES); the `length` scalar replicated."""
-    return _abstract(jax.eval_shape(lambda: init_cache(cfg, segments, batch, capacity, dtype)), CACHE_AXES, mesh)
+def abstract_cache(cfg, segments, batch: int, capacity: int, dtype, mesh, cache_dtype: str = "auto") -> KVCache:
+    """A KVCache of ShapeDtypeStructs ([batch, capacity] slots per layer, stored as `cache_dtype`), slots
+    sharded like `write_chunk` keeps them (CACHE_AXES); the `length` scalar replicated."""
+    shapes = jax.eval_shape(lambda: init_cache(cfg, segments, batch, capacity, dtype, cache_dtype))
+    return _abstract(shapes, CACHE_AXES, mesh)
 
 
-def abstract_suffix(cfg, segments, rows: int, capacity: int, dtype, mesh) -> SuffixCache:
-    """A per-sample SuffixCache of ShapeDtypeStructs (`rows` x `capacity` slots per layer), placed as
-    `init_suffix` places it (SUFFIX_AXES: slots not sharded); the `length` scalar replicated."""
-    return _abstract(jax.eval_shape(lambda: init_suffix(cfg, segments, rows, capacity, dtype)), SUFFIX_AXES, mesh)
+def abstract_suffix(cfg, segments, rows: int, capacity: int, dtype, mesh, cache_dtype: str = "auto") -> SuffixCache:
+    """A per-sample SuffixCache of ShapeDtypeStructs (`rows` x `capacity` slots per layer, stored as
+    `cache_dtype`), placed as `init_suffix` places it (SUFFIX_AXES: slots not sharded); the `length` scalar
+    replicated."""
+    shapes = jax.eval_shape(lambda: init_suffix(cfg, segments, rows, capacity, dtype, cache_dtype))
+    return _abstract(shapes, SUFFIX_AXES, mesh)
 
 
 def _abstract(shapes, axes, mesh):
-    """`shapes` (a KVCache / SuffixCache of shapes) with every stack sharded by `axes`, `length` replicated."""
-    def put(stacks):
-        return tuple(sds(a.shape, a.dtype, mesh, axes) for a in stacks)
+    """`shapes` (a KVCache / SuffixCache of shapes) with every stack sharded by `axes` (an FP8 cache's scale
+    stacks by `axes` without the feature axis), `length` replicated."""
+    def put(stacks, stack_axes=axes):
+        return tuple(sds(a.shape, a.dtype, mesh, stack_axes) for a in stacks)
 
-    return type(shapes)(put(shapes.c_kv), put(shapes.k_rope), put(shapes.index_k), sds((), jnp.int32, mesh, None))
+    return type(shapes)(put(shapes.c_kv), put(shapes.k_rope), put(shapes.index_k), sds((), jnp.int32, mesh, None),
+                        put(shapes.c_scale, scale_axes(axes)), put(shapes.i_scale, scale_axes(axes)))

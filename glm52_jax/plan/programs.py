@@ -57,12 +57,12 @@ class PlanSetup:
     def cache(self, batch: int):
         """The abstract `batch`-row cache of C slots."""
         return abstract_cache(self.cfg, model_segments(self.cfg), batch, self.capacity, self.opts.param_dtype,
-                              self.mesh)
+                              self.mesh, self.opts.cache_dtype)
 
     def suffix(self, rows: int):
         """The abstract per-sample suffix of `rows` x R slots the decode loop carries."""
         return abstract_suffix(self.cfg, model_segments(self.cfg), rows, self.max_new_tokens, self.opts.param_dtype,
-                               self.mesh)
+                               self.mesh, self.opts.cache_dtype)
 
 
 class Program(NamedTuple):

@@ -90,7 +90,7 @@ def static_report(s: PlanSetup, mesh_spec, lora, dtype) -> dict[str, Any]:
                                                       "families": sorted(lora.families),
                                                       "param_dtype": str(lora.param_dtype)},
                    "options": {k: getattr(s.opts, k) for k in ("indexer_query_block", "indexer_key_block",
-                                                                "attention_query_block", "remat")}},
+                                                                "attention_query_block", "remat", "cache_dtype")}},
         "model": {"layers": s.cfg.num_hidden_layers,
                   "param_count": sum(math.prod(x.shape) for x in jax.tree.leaves(base)),
                   "param_bytes": tree_bytes(base, False), "param_bytes_per_device": tree_bytes(base, True),

@@ -92,14 +92,15 @@ def split_lora(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
 response_logprobs = target_logprobs
 
 
-def prefill(model, prompt: jax.Array, capacity: int) -> KVCache:
-    """Batch-1 cache holding `prompt[:-1]` (the prefix every response attends to); `prompt: [P]`.
+def prefill(model, prompt: jax.Array, capacity: int, cache_dtype: str | None = None) -> KVCache:
+    """Batch-1 cache holding `prompt[:-1]` (the prefix every response attends to); `prompt: [P]`; stored as
+    `cache_dtype` (default the model's `opts.cache_dtype`).
 
     The whole-prompt forward (`model.prefill`: the uncached path, context-parallel under a sequence-sharded
     mesh), not one cached chunk of P-1 queries: a cached chunk that long is scored against the whole cache
     and, under shared_prefix's VJP, keeps what that costs (measured at 32K on 32 H20: train temporaries
     20.4 TB per device through the cached chunk)."""
-    _, cache = model.prefill(prompt[None, :-1], capacity)
+    _, cache = model.prefill(prompt[None, :-1], capacity, cache_dtype)
     return cache
 
 
@@ -113,10 +114,11 @@ def full_sequence_logprobs(model, prompt: jax.Array, response: jax.Array, chunk:
 def cached_logprobs(model, cache: KVCache, last_prompt_token: jax.Array, responses: jax.Array,
                     chunk: int) -> jax.Array:
     """[prompt[-1]] + response[:-1] of each of `responses: [G,R]` run after the batch-1 prefix cache, which
-    the G rows share (`model.forward_shared` with an empty suffix: the cache is never copied per row) -> [G,R]."""
+    the G rows share (`model.forward_shared` with an empty suffix, stored like the cache: the cache is never
+    copied per row) -> [G,R]."""
     rows = responses.shape[0]
     ids = jnp.concatenate([jnp.broadcast_to(last_prompt_token, (rows, 1)), responses[:, :-1]], axis=1)
-    h, _ = model.forward_shared(ids, cache, model.init_suffix(rows, 0))
+    h, _ = model.forward_shared(ids, cache, model.init_suffix(rows, 0, cache_dtype=cache.cache_dtype))
     return response_logprobs(model, h, responses, chunk)
 
 
@@ -195,7 +197,8 @@ def _shared_prefix(graphdef, lora, frozen, prompt, batch, settings, norm, chunk,
     length = jnp.asarray(prompt.shape[0] - 1, jnp.int32)
 
     def prefix_arrays(lora):
-        cache = prefill(nnx.merge(graphdef, lora, frozen), prompt, capacity)
+        # Differentiated: kept in the parameter dtype whatever `cache_dtype` says (e4m3 rounding has no gradient).
+        cache = prefill(nnx.merge(graphdef, lora, frozen), prompt, capacity, cache_dtype="auto")
         return cache.c_kv, cache.k_rope, cache.index_k
 
     # The prefix runs once; its VJP (residuals: per-layer scan inputs under remat) is kept.

@@ -12,6 +12,7 @@ first.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -31,18 +32,22 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def fit_capacity(cache: KVCache, capacity: int) -> KVCache:
-    """The same cache with its slot axis cut or zero-padded to `capacity` (length must fit)."""
+    """The same cache with its slot axis cut or padded to `capacity` (length must fit): new slots hold zeros
+    (an FP8 cache's scales: ones, as an empty cache's)."""
     current = cache.capacity
     if capacity == current:
         return cache
 
-    def fit(a):
+    def fit(a, fill=0):
         if capacity < current:
             return a[:, :, :, :capacity]
-        return jnp.pad(a, [(0, 0)] * 3 + [(0, capacity - current), (0, 0)])
+        return jnp.pad(a, [(0, 0)] * 3 + [(0, capacity - current)] + [(0, 0)] * (a.ndim - 4), constant_values=fill)
 
-    return KVCache(tuple(map(fit, cache.c_kv)), tuple(map(fit, cache.k_rope)), tuple(map(fit, cache.index_k)),
-                   cache.length)
+    def fit_all(stacks, fill=0):
+        return tuple(fit(a, fill) for a in stacks)
+
+    return KVCache(fit_all(cache.c_kv), fit_all(cache.k_rope), fit_all(cache.index_k), cache.length,
+                   fit_all(cache.c_scale, 1), fit_all(cache.i_scale, 1))
 
 
 class PrefixCache:
@@ -80,7 +85,7 @@ class PrefixCache:
             return 0, None
         self._entries.move_to_end(best_key)
         cache = self._entries[best_key]
-        return best_len, KVCache(cache.c_kv, cache.k_rope, cache.index_k, jnp.asarray(best_len, jnp.int32))
+        return best_len, dataclasses.replace(cache, length=jnp.asarray(best_len, jnp.int32))
 
     def whole(self, prompt: Sequence[int]) -> tuple[KVCache, jax.Array] | None:
         """(cache, last hidden state [1,D]) of an entry holding exactly `prompt` and stored with its

@@ -127,6 +127,25 @@ def test_cached_topk_equals_reference(num_queries):
     assert np.asarray(idx).max() < 35  # never an unwritten slot
 
 
+def test_cached_topk_over_fp8_keys_equals_reference():
+    """An FP8 cache's e4m3 key stack and per-row scales (`model/cache_fp8.py`) read in place by a decode query:
+    the kernel casts the keys to the query's float32 and scales each key's score, the reference dequantizes each
+    key block; the same top-k (scores to float32 rounding), never an unwritten slot."""
+    from glm52_jax.model.cache_fp8 import quantize_rows
+
+    num_queries = 1
+    q, w, _ = _inputs(8, s=num_queries)
+    keys, scales = quantize_rows(jax.random.normal(jax.random.key(9), (2, 2, 2, 41, 16), jnp.float32) * 3.0)
+    length = jnp.asarray(35, jnp.int32)
+    q_pos = 35 + jnp.arange(num_queries, dtype=jnp.int32)
+    args = dict(scale=SCALE, query_block=4, key_block=16, key_scales=scales)
+    ref_vals, ref_idx = cached_topk(q, w, keys, (1, 0), q_pos, length, 8, **args)
+    vals, idx = cached_topk(q, w, keys, (1, 0), q_pos, length, 8, kernels="pallas", **args)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref_idx))
+    _assert_scores_equal(vals, ref_vals, **F32_TOL)
+    assert np.asarray(idx).max() < 35
+
+
 def test_select_merge_equals_sorting_merge_with_ties():
     """The radix-select merge against lax.top_k merges over 4 blocks of scores drawn from a handful of
     values (-inf, -0.0, +0.0, 1, 2: ties at every threshold, signed zeros) for k = 5 (kept as 8) and

@@ -2,7 +2,7 @@
 
 The written values are the inputs of `write_chunk`, so a sharded write must equal the one-device
 `dynamic_update_slice` bit for bit, whichever shards a chunk touches (the model-level decode on
-meshes: tests/parallel/test_sharded_rl.py).
+meshes: tests/parallel/test_sharded_rl.py). An FP8 cache writes e4m3 rows and their scale stacks the same way.
 """
 
 import dataclasses
@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 from jaxpr_utils import all_eqns
 
 import glm52_jax
 from glm52_jax import config
-from glm52_jax.model.kv_cache import CACHE_AXES, KVCache, write_chunk
+from glm52_jax.model import cache_fp8
+from glm52_jax.model.kv_cache import CACHE_AXES, KVCache, scale_axes, write_chunk
 from glm52_jax.model.transformer import GlmMoeDsa
 from glm52_jax.parallel.mesh import parse_mesh
 from glm52_jax.parallel.placement import place_model
@@ -32,14 +32,20 @@ WRITES = ((0, 13), (13, 6), (19, 20), (39, 1), (40, 1), (41, 6), (47, 1), (48, 1
 _write = jax.jit(write_chunk, static_argnums=4)
 
 
-def _empty_cache() -> KVCache:
-    """Two segments' worth of the shapes `init_cache` makes ([reps, U|F, B, Cap, *]); bf16 latents, f32 keys."""
+def _empty_cache(fp8: bool = False) -> KVCache:
+    """Two segments' worth of the shapes `init_cache` makes ([reps, U|F, B, Cap, *]); bf16 latents, f32 keys, or
+    with `fp8` e4m3 latents and keys plus their scale stacks [reps, U|F, B, Cap] (ones, as `init_cache`'s)."""
     def z(reps, unit, width, dtype):
         return jnp.zeros((reps, unit, 2, CAPACITY, width), dtype)
 
     bf16, f32 = jnp.bfloat16, jnp.float32
-    return KVCache((z(2, 2, 8, bf16), z(1, 1, 8, bf16)), (z(2, 2, 4, bf16), z(1, 1, 4, bf16)),
-                   (z(2, 1, 4, f32), z(1, 0, 4, f32)), jnp.zeros((), jnp.int32))
+    latent, keys = (cache_fp8.E4M3, cache_fp8.E4M3) if fp8 else (bf16, f32)
+    cache = KVCache((z(2, 2, 8, latent), z(1, 1, 8, latent)), (z(2, 2, 4, bf16), z(1, 1, 4, bf16)),
+                    (z(2, 1, 4, keys), z(1, 0, 4, keys)), jnp.zeros((), jnp.int32))
+    if not fp8:
+        return cache
+    ones = [tuple(jnp.ones(a.shape[:-1], f32) for a in stacks) for stacks in (cache.c_kv, cache.index_k)]
+    return KVCache(cache.c_kv, cache.k_rope, cache.index_k, cache.length, *ones)
 
 
 def _chunks():
@@ -52,12 +58,15 @@ def _chunks():
     return [(like(cache.c_kv, s), like(cache.k_rope, s), like(cache.index_k, s), s) for _, s in WRITES]
 
 
-def _write_all(chunks, mesh=None) -> KVCache:
+def _write_all(chunks, mesh=None, fp8=False) -> KVCache:
     """All WRITES in turn; with `mesh`, from a cache placed as `init_cache` places it (slots sharded)."""
-    cache = _empty_cache()
+    cache = _empty_cache(fp8)
     if mesh is not None:
-        slots = NamedSharding(mesh, logical_to_spec(CACHE_AXES, mesh_axes=mesh.axis_names))
-        cache = jax.tree.map(lambda a: jax.device_put(a, slots if a.ndim else NamedSharding(mesh, P())), cache)
+        def place(a):
+            axes = {5: CACHE_AXES, 4: scale_axes(CACHE_AXES), 0: ()}[a.ndim]
+            return jax.device_put(a, NamedSharding(mesh, logical_to_spec(axes, mesh_axes=mesh.axis_names)))
+
+        cache = jax.tree.map(place, cache)
     for (length, _), chunk in zip(WRITES, chunks):
         assert int(cache.length) == length
         cache = _write(cache, *chunk)
@@ -70,18 +79,43 @@ def written():
     return chunks, _write_all(chunks)
 
 
-@pytest.mark.parametrize("spec", ["context=4,expert=2", pytest.param("folded=8", marks=pytest.mark.slow)])
-def test_sharded_writes_equal_one_device_bitwise(written, spec):
-    chunks, want = written
+@pytest.fixture(scope="module")
+def written_fp8():
+    chunks = _chunks()
+    return chunks, _write_all(chunks, fp8=True)
+
+
+def test_fp8_writes_store_each_chunk_quantized(written_fp8):
+    """An FP8 cache's slots [l, l + S) hold `quantize_rows` of the chunk written there (values and scales); the
+    rope keys are stored as they come."""
+    chunks, cache = written_fp8
+    host = jax.tree.map(np.asarray, cache)  # numpy slices below (no per-slice XLA program)
+    quantize = jax.jit(lambda chunks: jax.tree.map(cache_fp8.quantize_rows, chunks))
+    for (length, seq), (new_c, new_r, new_i, _) in zip(WRITES, chunks):
+        at = (slice(None),) * 3 + (slice(length, length + seq),)
+        for values, scales, new in ((host.c_kv, host.c_scale, new_c), (host.index_k, host.i_scale, new_i)):
+            for v, sc, (want_v, want_s) in zip(values, scales, quantize(new), strict=True):
+                np.testing.assert_array_equal(v[at].view(np.uint8), np.asarray(want_v).view(np.uint8))
+                np.testing.assert_array_equal(sc[at], np.asarray(want_s))
+        for r, chunk in zip(host.k_rope, new_r, strict=True):
+            np.testing.assert_array_equal(r[at], np.asarray(chunk).astype(jnp.bfloat16))
+
+
+@pytest.mark.parametrize("spec,fp8", [("context=4,expert=2", False), ("context=4,expert=2", True),
+                                      pytest.param("folded=8", False, marks=pytest.mark.slow)])
+def test_sharded_writes_equal_one_device_bitwise(written, written_fp8, spec, fp8):
+    chunks, want = written_fp8 if fp8 else written
     mesh_spec = parse_mesh(spec)
     mesh = mesh_spec.make()
     with axis_rules(mesh_spec.rules()), jax.set_mesh(mesh):
-        got = _write_all(chunks, mesh)
+        got = _write_all(chunks, mesh, fp8)
         jaxpr = jax.make_jaxpr(write_chunk, static_argnums=4)(got, *chunks[1])
     ways = CAPACITY // 4 if spec.startswith("context") else CAPACITY // 8
+    assert len(jax.tree.leaves(got)) == (11 if fp8 else 7)  # 2 segments x 3 stacks (+ 2 x 2 scale stacks), length
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert g.dtype == w.dtype and g.shape == w.shape
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint8) if g.dtype == cache_fp8.E4M3 else np.asarray(g),
+                                      np.asarray(w).view(np.uint8) if w.dtype == cache_fp8.E4M3 else np.asarray(w))
         if g.size > 1:  # the slot axis stays sharded: each device holds its range (not the empty index_k)
             assert {s.data.shape[3] for s in g.addressable_shards} == {ways}, g.sharding
     assert int(got.length) == sum(s for _, s in WRITES)

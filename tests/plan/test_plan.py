@@ -235,6 +235,35 @@ def test_capacity_is_padded_for_the_slot_shards():
         slot_capacity(10, 256, 0)
 
 
+def test_fp8_cache_bytes_and_shardings():
+    """`model.cache_dtype=float8_e4m3fn` in the plan's abstract caches (no compile): e4m3 latents and indexer keys
+    plus one float32 scale per row, sharded like their rows without the feature axis (slots 8 ways on folded=8;
+    the suffix's slots unsharded), so the plan's cache bytes are the FP8 ones: C + 4 and I + 4 bytes per row
+    against 2 C and 2 I in bf16, k_rope unchanged."""
+    from glm52_jax.model.kv_cache import CACHE_AXES
+    from glm52_jax.parallel.rules import axis_rules, logical_to_spec
+    from glm52_jax.plan.abstract import abstract_cache, abstract_suffix, cache_bytes, model_segments
+
+    mesh = FOLDED.make(jax.devices()[:8])
+    segments = model_segments(CFG)
+    with axis_rules(FOLDED.rules()):
+        auto = abstract_cache(CFG, segments, 1, 256, jnp.bfloat16, mesh)
+        fp8 = abstract_cache(CFG, segments, 1, 256, jnp.bfloat16, mesh, "float8_e4m3fn")
+        suffix = abstract_suffix(CFG, segments, 4, 8, jnp.bfloat16, mesh, "float8_e4m3fn")
+        row_spec = logical_to_spec(CACHE_AXES, mesh_axes=mesh.axis_names)
+    latent_rows = sum(a.shape[0] * a.shape[1] * 256 for a in fp8.c_kv)
+    key_rows = sum(a.shape[0] * a.shape[1] * 256 for a in fp8.index_k)
+    rope = latent_rows * CFG.qk_rope_head_dim * 2
+    assert cache_bytes(auto, False) == latent_rows * CFG.kv_lora_rank * 2 + key_rows * CFG.index_head_dim * 2 + rope
+    assert cache_bytes(fp8, False) == latent_rows * (CFG.kv_lora_rank + 4) + key_rows * (CFG.index_head_dim + 4) + rope
+    assert cache_bytes(fp8, True) * 8 == cache_bytes(fp8, False)
+    for values, scales in ((fp8.c_kv, fp8.c_scale), (fp8.index_k, fp8.i_scale)):
+        for v, sc in zip(values, scales, strict=True):
+            assert v.dtype == jnp.float8_e4m3fn and sc.dtype == jnp.float32 and sc.shape == v.shape[:-1]
+            assert v.sharding.spec == row_spec and tuple(sc.sharding.spec) == tuple(row_spec)[:4]
+    assert cache_bytes(suffix, True) == cache_bytes(suffix, False) == cache_bytes(fp8, False) * 4 * 8 // 256
+
+
 def test_ensure_virtual_devices_after_jax_started():
     assert ensure_virtual_devices(8) == jax.device_count() == 8
     with pytest.raises(RuntimeError, match=r"needs 16 devices but JAX is already initialised with 8"):
