@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     p_compare.add_argument("first")
     p_compare.add_argument("second")
     p_compare.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance for numbers (1e-5)")
+    p_compare.add_argument("--noise", type=float, default=0.0,
+                           help="absolute float-rounding level of measured numbers (0); parity receipts from "
+                                "another machine: 1e-5, the exact modes' bound")
     args = parser.parse_args(argv)
 
     if args.command == "verify":
@@ -139,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "publish":
                 print(f"published {publish(args.receipt, args.dest)}")
                 return 0
-            diffs = result_differences(receipt_file(args.first), receipt_file(args.second), args.rtol)
+            diffs = result_differences(receipt_file(args.first), receipt_file(args.second), args.rtol,
+                                       noise=args.noise)
         except EvidenceError as e:
             print(e)
             return 1

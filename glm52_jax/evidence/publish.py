@@ -18,6 +18,7 @@ nondeterministic; numbers within a relative tolerance, everything else exactly.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import os
 import shutil
@@ -99,24 +100,34 @@ def _results(receipt: dict[str, Any] | str | os.PathLike) -> dict[str, Any]:
     return view
 
 
-def _walk(a: Any, b: Any, where: str, rtol: float, out: list[str], ignore: frozenset[str] = frozenset()) -> None:
+def _at_noise(section: dict, noise: float) -> bool:
+    """Whether a parity pair (`families.all.rel_l2` beside its `outliers`) agrees at rounding level."""
+    rel = section.get("families", {}).get("all", {}).get("rel_l2") if "outliers" in section else None
+    return isinstance(rel, (int, float)) and not isinstance(rel, bool) and rel <= noise
+
+
+def _walk(a: Any, b: Any, where: str, rtol: float, out: list[str], ignore: frozenset[str] = frozenset(),
+          noise: float = 0.0) -> None:
     if isinstance(a, dict) and isinstance(b, dict):
+        rounding = noise > 0 and _at_noise(a, noise) and _at_noise(b, noise)
         for key in sorted(a.keys() | b.keys()):
-            if "sha256" in key or key == "bytes" or f"{where}.{key}" in ignore:
+            path = f"{where}.{key}"
+            if ("sha256" in key or key == "bytes" or any(fnmatch.fnmatchcase(path, p) for p in ignore)
+                    or (rounding and key == "outliers")):
                 continue
             if key not in a or key not in b:
-                out.append(f"{where}.{key}: only in the {'first' if key in a else 'second'}")
+                out.append(f"{path}: only in the {'first' if key in a else 'second'}")
             else:
-                _walk(a[key], b[key], f"{where}.{key}", rtol, out, ignore)
+                _walk(a[key], b[key], path, rtol, out, ignore, noise)
     elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if len(a) != len(b):
             out.append(f"{where}: {len(a)} vs {len(b)} items")
         else:
             for i, (x, y) in enumerate(zip(a, b)):
-                _walk(x, y, f"{where}[{i}]", rtol, out, ignore)
+                _walk(x, y, f"{where}[{i}]", rtol, out, ignore, noise)
     elif isinstance(a, float) or isinstance(b, float):
-        if not (isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool)
-                and math.isclose(a, b, rel_tol=rtol, abs_tol=rtol * 1e-2)):
+        numbers = isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool)
+        if not (numbers and math.isclose(a, b, rel_tol=rtol, abs_tol=max(rtol * 1e-2, noise))):
             out.append(f"{where}: {a!r} vs {b!r}")
     elif isinstance(a, str) and isinstance(b, str) and a.startswith("/") and b.startswith("/"):
         return  # absolute paths: where each run lived
@@ -124,9 +135,14 @@ def _walk(a: Any, b: Any, where: str, rtol: float, out: list[str], ignore: froze
         out.append(f"{where}: {a!r} vs {b!r}")
 
 
-def result_differences(first, second, rtol: float = 1e-5, ignore=()) -> list[str]:
+def result_differences(first, second, rtol: float = 1e-5, ignore=(), noise: float = 0.0) -> list[str]:
     """What two receipts (dicts or paths) computed differently; empty when they reproduce each other.
-    `ignore`: further keys as dotted paths from the receipt (e.g. "topology.devices") left out."""
+    `ignore`: further keys as dotted paths from the receipt (e.g. "topology.devices"; `*` matches any part)
+    left out. `noise`: the absolute size of float rounding in the measured numbers (0: none): two numbers
+    within it of each other are equal, and a parity pair that agrees within it (`families.all.rel_l2 <= noise`
+    in both) has no comparable `outliers`: its largest per-parameter differences are rounding, ranked by
+    rounding, which another CPU's code changes (measured: 284 such entries differ between two machines, every
+    decision the same)."""
     out: list[str] = []
-    _walk(_results(first), _results(second), "receipt", rtol, out, frozenset(f"receipt.{k}" for k in ignore))
+    _walk(_results(first), _results(second), "receipt", rtol, out, frozenset(f"receipt.{k}" for k in ignore), noise)
     return out

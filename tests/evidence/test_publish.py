@@ -63,6 +63,13 @@ def test_compare_names_what_differs(tmp_path):
     assert result_differences(first, third) == ["receipt.prompt.text: 'What is 6*7?' vs 'What is 7*6?'",
                                                 "receipt.rewards.scores[3]: 0.5 vs 0.75"]
     assert result_differences(first, third, ignore=("prompt.text",)) == ["receipt.rewards.scores[3]: 0.5 vs 0.75"]
+    fourth_fields = json.loads(json.dumps(FIELDS))
+    fourth_fields["numerics"]["loss"] = 0.25 + 4e-6  # rounding-level on another machine
+    fourth_fields["rewards"]["scores"][3] = 0.6
+    fourth = _write_run(tmp_path / "d", fields=fourth_fields)
+    assert result_differences(first, fourth, noise=1e-5) == ["receipt.rewards.scores[3]: 0.5 vs 0.6"]
+    assert result_differences(first, fourth, noise=1e-5, ignore=("rewards.*",)) == []
+    assert len(result_differences(first, fourth)) == 2
     assert main(["compare", str(first), str(second)]) == 0
     assert main(["compare", str(first), str(third)]) == 1
     assert main(["publish", str(first), str(tmp_path / "pub" / "x.json")]) == 0

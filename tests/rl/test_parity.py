@@ -175,4 +175,8 @@ def test_the_committed_parity_receipt_is_what_this_code_computes(one_device):
     if not HAS_TORCH:
         pytest.skip("the committed receipt includes the PyTorch bridge's pairs (the `parity` extra)")
     path, _ = _receipt(one_device)
-    assert result_differences(path, committed) == []
+    # Another CPU rounds differently: measured differences are compared to 1e-5 absolute (the exact modes'
+    # own bound), the outliers of pairs that agree at that level are rounding ranked by rounding, and the count
+    # of gradient elements exactly zero in one mode only counts rounding too (10,294 here vs 10,587 on another
+    # machine, every decision and check the same). The decisions, checks and every larger number are compared.
+    assert result_differences(path, committed, noise=1e-5, ignore=("parity.cases.*.mask_differences",)) == []
