@@ -231,6 +231,9 @@ class _Checkpoint:
                 if key not in self.where:
                     raise ValueError(f"{index}: tensor {key!r} is listed in {fname!r} but not stored there")
 
+    def names(self) -> set[str]:
+        return set(self.where)
+
     def info(self, name):
         return self.where[name].tensors[name]
 
@@ -240,7 +243,7 @@ class _Checkpoint:
 
 def _check_inventory(cfg: ModelConfig, ckpt: _Checkpoint, quant=None) -> tuple[bool, set[str]]:
     """Validates names, shapes, dtypes and FP8 scales from headers; returns (fused experts?, FP8 weight names)."""
-    names = set(ckpt.where)
+    names = ckpt.names()
     mtp = sorted(n for n in names if (m := _LAYER_RE.match(n)) and int(m.group(1)) >= cfg.num_hidden_layers
                  and int(m.group(1)) < cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
     if mtp:
@@ -313,6 +316,33 @@ def _sources(cfg: ModelConfig, key: tuple) -> list[str]:
     return [f"model.layers.{i}.{lp.hf}" for lp in _layer_params(cfg, *kind) if lp.path == rel for i in layers]
 
 
+def fp8_key(cfg: ModelConfig, key: tuple, quant: hf_fp8.Fp8Config) -> bool:
+    """Whether our base parameter `key` is FP8 when the model is quantized as `quant` says (`model.base_weights=
+    "fp8"`: a float checkpoint as it is read, a random init, plan mode's abstract model): every HF weight it is
+    read from (`_sources`) is one the release quantizes (`hf_fp8.quantizes`). Not the embedding, lm_head, norms,
+    router, correction bias, nor (RELEASE) the indexer's weights_proj."""
+    sources = _sources(cfg, key)
+    return bool(sources) and all(hf_fp8.quantizes(name, quant) for name in sources)
+
+
+def quantize_model(model: GlmMoeDsa, quant: hf_fp8.Fp8Config) -> GlmMoeDsa:
+    """`model` (a random init) with each base weight `fp8_key` selects as an `Fp8Weight` on the block grid a
+    loaded FP8 checkpoint of it would have (`hf_fp8.fp8_param`), quantized where it lives (`fp8.quantize`); the
+    rest (and any LoRA) unchanged. Place it on a mesh afterwards (`placement.place_model`), as a random init."""
+    graphdef, state = nnx.split(model)
+    leaves = list(nnx.to_flat_state(state))
+    chosen = [i for i, (key, var) in enumerate(leaves) if isinstance(var, nnx.Param)
+              and not isinstance(var.get_value(), Fp8Weight) and fp8_key(model.cfg, key, quant)]
+    blocks = [hf_fp8.fp8_param(model.cfg, quant, leaves[i][0], tuple(leaves[i][1].get_value().shape)).block
+              for i in chosen]
+    # One program for all of them (a compile per weight shape would dominate a tiny model's set-up).
+    quantized = jax.jit(lambda weights: [fp8.quantize(w, b) for w, b in zip(weights, blocks)])(
+        [leaves[i][1].get_value() for i in chosen])
+    for i, value in zip(chosen, quantized):
+        leaves[i] = (leaves[i][0], leaves[i][1].replace(value))
+    return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+
+
 def param_reader(cfg: ModelConfig, ckpt, fused: bool, key: tuple, shape: tuple[int, ...], scales=None) -> Callable:
     """`read(index) -> np.ndarray`: our parameter `key` (of `shape`) at `index` (a tuple of slices), in our
     layout, from the HF tensors of `ckpt` (anything with `get(hf_name) -> np.ndarray`; `fused`: fused experts).
@@ -343,7 +373,8 @@ def param_reader(cfg: ModelConfig, ckpt, fused: bool, key: tuple, shape: tuple[i
 
 
 def load_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, shardings=None,
-                    options: ModelOptions | None = None, *, rope_scaling=None) -> GlmMoeDsa:
+                    options: ModelOptions | None = None, *, rope_scaling=None,
+                    fp8: hf_fp8.Fp8Config | None = None) -> GlmMoeDsa:
     """Loads an HF GLM-MoE-DSA checkpoint directory into a `GlmMoeDsa`.
 
     dtype: parameter dtype (router, correction bias and indexer `weights_proj` stay float32); an FP8
@@ -351,16 +382,25 @@ def load_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, shardings=None,
     shardings: None (default device) or a `jax.sharding.Mesh`; with a mesh each parameter is
       sharded by its logical axis names (`parallel.rules`) and every device reads only its slice.
     rope_scaling: a `positions.RopeScaling` to apply; by default `$GLM52_ROPE_SCALING_JSON`'s, when set.
+    fp8: quantize a float checkpoint as this FP8 release would be (`hf_fp8.RELEASE`: 128 x 128 blocks; the
+      weights `fp8_key` selects), per HF tensor as it is read, then load it exactly as that FP8 checkpoint.
+      An FP8 checkpoint loads as stored whatever this says.
     """
     path = os.fspath(path)
     quant, cfg = hf_fp8.split_quantization(ModelConfig.from_json_file(os.path.join(path, "config.json")))
     cfg = cfg.with_env_rope_scaling() if rope_scaling is None else cfg.with_rope_scaling(rope_scaling)
     # HF checkpoints hold no adapters: load the base, then attach fresh LoRA if the options ask for it.
     opts = dataclasses.replace(options or ModelOptions(), param_dtype=dtype, lora=None)
-    ckpt = _Checkpoint(path)
-    fused, quantized = _check_inventory(cfg, ckpt, quant)
     abstract = nnx.eval_shape(lambda: GlmMoeDsa(cfg, opts, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
+    ckpt = _Checkpoint(path)
+    if quant is None and fp8 is not None:  # a float checkpoint read as its FP8 release
+        names = {name for key, _ in nnx.to_flat_state(state) if fp8_key(cfg, key, fp8) for name in _sources(cfg, key)}
+        if absent := sorted(names - ckpt.names()):
+            raise ValueError(f"{path}: quantizing to FP8 while loading needs per-expert tensors such as "
+                             f"{absent[0]!r}; this checkpoint stores the experts fused (mlp.experts.gate_up_proj)")
+        ckpt, quant = hf_fp8.QuantizedView(ckpt, names, fp8.block), fp8
+    fused, quantized = _check_inventory(cfg, ckpt, quant)
     leaves = []
     for key, var in nnx.to_flat_state(state):
         shape, target = tuple(var.get_value().shape), var.get_value().dtype

@@ -20,6 +20,11 @@ kv_b: 448 rows per head, so W_UK / W_UV get [C/128, H, n] scales, still 1/32 of 
 Writing (`quantize_hf`, used by `checkpoint.hf.save_pretrained(..., quantization=...)` for a merged FP8 export):
 an HF `[out, in]` float32 matrix back to e4m3 + `weight_scale_inv` with the release's rule, per block
 scale = amax / 448 (e4m3's largest finite value; 1 for an all-zero block), value = round-to-nearest(w / scale).
+
+A float checkpoint can be read as if it were the FP8 release (`model.base_weights="fp8"`): `QuantizedView`
+serves each weight the release quantizes (`quantizes`: the projection matrices, less `RELEASE.not_convert`) as
+e4m3 values plus `weight_scale_inv`, quantized per HF tensor in HF's layout by the release rule (`quantize_hf`),
+and the loader reads it through the same FP8 path as a real FP8 checkpoint.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ QUANT_KEY = "quantization_config"
 _QUANTIZABLE = re.compile(r"\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|wq_b|wk|weights_proj|"
                           r"gate_proj|up_proj|down_proj)\.weight$")
 _F8 = ("F8_E4M3", "F8_E5M2")
+_FLOAT = ("F32", "BF16", "F16", "F64")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +62,17 @@ class Fp8Config:
     def skips(self, module: str) -> bool:
         """Whether `modules_to_not_convert` names `module` (HF's rule: an entry that is a substring of it)."""
         return any(entry in module for entry in self.not_convert)
+
+
+# What an FP8 release of GLM-5 / DeepSeek-V3 quantizes, and how: 128 x 128 blocks on every projection matrix
+# except the indexer's weights_proj, which DeepSeek-V3.2 keeps unquantized (`modules_to_not_convert`).
+RELEASE = Fp8Config((128, 128), ("indexer.weights_proj",))
+
+
+def quantizes(name: str, quant: Fp8Config) -> bool:
+    """Whether quantizing a float model as `quant` says makes HF weight `name` FP8: a projection matrix
+    (`_QUANTIZABLE`) whose module `quant.not_convert` does not name."""
+    return bool(_QUANTIZABLE.search(name)) and not quant.skips(name[:-len(".weight")])
 
 
 def split_quantization(cfg: ModelConfig) -> tuple[Fp8Config | None, ModelConfig]:
@@ -135,16 +152,24 @@ def with_quantization(cfg: ModelConfig, raw: dict | None) -> ModelConfig:
 
 def quantize_hf(w: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
     """An HF `[out, in]` matrix (float32) -> (float8_e4m3fn values [out, in], float32 `weight_scale_inv`
-    [ceil(out/b0), ceil(in/b1)]): each block's scale is its amax / 448 (1 when the block is all zeros), each
-    value `w / scale` rounded to the nearest e4m3, so `value x scale` is the block's numbers to e4m3's precision."""
+    [ceil(out/b0), ceil(in/b1)]): each block's scale is its amax / 448 (1 when the block is all zeros:
+    `block_scales`), each value `w / scale` rounded to the nearest e4m3, so `value x scale` is the block's numbers
+    to e4m3's precision."""
     w = np.asarray(w, np.float32)
     if w.ndim != 2 or not np.isfinite(w).all():
         raise ValueError(f"quantize: expected a finite [out, in] matrix, got shape {w.shape}")
-    starts = [np.arange(0, n, b) for n, b in zip(w.shape, block, strict=True)]
-    amax = np.maximum.reduceat(np.maximum.reduceat(np.abs(w), starts[0], axis=0), starts[1], axis=1)
-    scales = np.where(amax > 0, amax / np.float32(fp8.E4M3_MAX), np.float32(1.0)).astype(np.float32)
+    scales = block_scales(w, block)
     per_element = scales[np.arange(w.shape[0])[:, None] // block[0], np.arange(w.shape[1])[None, :] // block[1]]
     return (w / per_element).astype(fp8.E4M3), scales
+
+
+def block_scales(w: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """`w [out, in]` -> float32 [ceil(out/b0), ceil(in/b1)]: each block's amax / 448 (IEEE float32 division, as
+    the release's converter), 1 for an all-zero block (its values are all 0 whatever the scale)."""
+    a = np.abs(np.asarray(w, np.float32))
+    amax = np.maximum.reduceat(np.maximum.reduceat(a, np.arange(0, a.shape[0], block[0]), axis=0),
+                               np.arange(0, a.shape[1], block[1]), axis=1)
+    return np.where(amax > 0, amax / np.float32(fp8.E4M3_MAX), np.float32(1.0)).astype(np.float32)
 
 
 def all_or_none(key: tuple, sources: list[str], quantized: set[str]) -> bool:
@@ -156,6 +181,58 @@ def all_or_none(key: tuple, sources: list[str], quantized: set[str]) -> bool:
         raise ValueError(f"tensor {plain!r} is not FP8 but {fp8_name!r} is, and both are parts of our "
                          f"{'/'.join(map(str, key))}: quantize all of them or none")
     return bool(held) and all(held)
+
+
+# ------------------------------------------------------------------------------------------------
+# A float checkpoint quantized as it is read.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Header:
+    """What `_Checkpoint.info` tells of a tensor (the loader's checks read dtype and shape only)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class QuantizedView:
+    """A float checkpoint (`hf._Checkpoint`) read as its FP8 release: each of `names` (HF [out, in] weights) is
+    served as float8_e4m3fn values plus `name_scale_inv` [ceil(out/b0), ceil(in/b1)] float32 (`quantize_hf`
+    with `block`), in `names()`, `info` and `get` alike; every other tensor as stored.
+
+    The loader reads all of a parameter's values, then its scales, each device's callback its own slices: a
+    tensor's scales are kept when its values are quantized (1/(b0 x b1) of its elements; what the devices will
+    hold anyway), so they are never computed twice, and the last quantized values are kept for the next
+    device's read of the same tensor."""
+
+    def __init__(self, ckpt, names, block: tuple[int, int]):
+        self.path, self._ckpt, self.block = ckpt.path, ckpt, tuple(block)
+        self._names = {n for n in names if ckpt.info(n).dtype in _FLOAT}  # anything else: the loader refuses it
+        self._scales: dict[str, np.ndarray] = {}
+        self._last: tuple[str, np.ndarray] | None = None
+
+    def names(self) -> set[str]:
+        return self._ckpt.names() | {n + SCALE_SUFFIX for n in self._names}
+
+    def info(self, name):
+        if name in self._names:
+            return _Header("F8_E4M3", tuple(self._ckpt.info(name).shape))
+        if name.endswith(SCALE_SUFFIX) and (weight := name[:-len(SCALE_SUFFIX)]) in self._names:
+            shape = self._ckpt.info(weight).shape
+            return _Header("F32", tuple(math.ceil(n / b) for n, b in zip(shape, self.block)))
+        return self._ckpt.info(name)
+
+    def get(self, name) -> np.ndarray:
+        if name in self._names:
+            if self._last is None or self._last[0] != name:
+                values, self._scales[name] = quantize_hf(self._ckpt.get(name), self.block)
+                self._last = (name, values)
+            return self._last[1]
+        if name.endswith(SCALE_SUFFIX) and (weight := name[:-len(SCALE_SUFFIX)]) in self._names:
+            if weight not in self._scales:
+                self._scales[weight] = block_scales(self._ckpt.get(weight), self.block)
+            return self._scales[weight]
+        return self._ckpt.get(name)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -232,6 +309,13 @@ def fp8_param(cfg: ModelConfig, quant: Fp8Config, key: tuple, shape: tuple[int, 
     return Fp8Param(block, fp8.scale_shape(tuple(shape), block), to_ours)
 
 
+def fp8_struct(param: Fp8Param, shape: tuple[int, ...], dtype) -> fp8.Fp8Weight:
+    """The `Fp8Weight` of one parameter of `shape` as ShapeDtypeStructs (e4m3 values, float32 scales), unsharded:
+    what `materialize` builds, and plan mode's abstract model holds."""
+    return fp8.Fp8Weight(jax.ShapeDtypeStruct(tuple(shape), fp8.E4M3),
+                         jax.ShapeDtypeStruct(tuple(param.scale_shape), jnp.float32), param.block, jnp.dtype(dtype))
+
+
 def materialize(read_values: Callable, read_scales: Callable, param: Fp8Param, shape: tuple[int, ...], dtype,
                 var, mesh) -> fp8.Fp8Weight:
     """The `Fp8Weight` of one parameter: e4m3 values (`read_values(index)`, our layout) and float32 scales
@@ -246,8 +330,6 @@ def materialize(read_values: Callable, read_scales: Callable, param: Fp8Param, s
     if mesh is None:
         whole = (tuple(slice(None) for _ in shape), tuple(slice(None) for _ in param.scale_shape))
         return fp8.Fp8Weight(jnp.asarray(values(whole[0])), jnp.asarray(scales(whole[1])), param.block, dtype)
-    abstract = fp8.Fp8Weight(jax.ShapeDtypeStruct(shape, fp8.E4M3),
-                             jax.ShapeDtypeStruct(param.scale_shape, jnp.float32), param.block, dtype)
-    target = sharding_for(var.replace(abstract), mesh)
+    target = sharding_for(var.replace(fp8_struct(param, shape, dtype)), mesh)
     return fp8.Fp8Weight(jax.make_array_from_callback(shape, target.values, values),
                          jax.make_array_from_callback(param.scale_shape, target.scales, scales), param.block, dtype)

@@ -17,6 +17,11 @@ elementwise `value x scale` (XLA fuses the scale expansion into it), then the us
 
 The base is frozen: `dense` stops gradients, so only the LoRA adapters (bf16/fp32, as always) get any.
 
+`quantize` makes an `Fp8Weight` from a plain weight by the same block rule the releases use (scale = the
+block's amax / 448, e4m3's largest finite value; value = w / scale rounded to e4m3): how a random init becomes
+an FP8 model (`model.base_weights="fp8"`; a float checkpoint is quantized in HF's layout as it is read,
+`checkpoint.hf_fp8.quantize_hf`).
+
 Axis letters: L leading (unblocked) dims, X blocked dims.
 """
 
@@ -79,3 +84,23 @@ def dense(weight):
     values, scales = jax.lax.stop_gradient((weight.values, weight.scales))
     full = expand_scales(scales.astype(jnp.float32), weight.block, weight.shape)
     return (values.astype(jnp.float32) * full).astype(weight.dtype)
+
+
+def quantize(w: jax.Array, block: tuple[int, ...], dtype=None) -> Fp8Weight:
+    """`w [*L, *X]` as an `Fp8Weight` with one scale per `block` of its trailing dims X (a partial last block has
+    its own; leading dims L unblocked): scale = amax(|w| over the block) / 448 in float32 (1 for an all-zero
+    block), value = w / scale rounded to nearest e4m3. `dtype`: what `dense` returns (default: w's dtype).
+    XLA:CPU divides through a reciprocal, so a scale may be 1 ulp off IEEE division's (numpy's, which
+    `hf_fp8.quantize_hf` uses to match a release bit for bit); for a random init that is immaterial."""
+    shape, block = tuple(w.shape), tuple(block)
+    lead = len(shape) - len(block)
+    grid = scale_shape(shape, block)
+    w32 = w.astype(jnp.float32)
+    # |w| zero-padded to whole blocks (zeros never raise an amax), then [*L, g0, b0, g1, b1, ...]: max over the b's.
+    padded = jnp.pad(jnp.abs(w32), [(0, 0)] * lead + [(0, g * b - n) for n, g, b in
+                                                     zip(shape[lead:], grid[lead:], block)])
+    tiles = padded.reshape(shape[:lead] + tuple(d for g, b in zip(grid[lead:], block) for d in (g, b)))
+    amax = jnp.max(tiles, axis=tuple(lead + 2 * i + 1 for i in range(len(block))))
+    scales = jnp.where(amax > 0, amax / jnp.float32(E4M3_MAX), jnp.float32(1.0))
+    values = (w32 / expand_scales(scales, block, shape)).astype(E4M3)
+    return Fp8Weight(values, scales, block, jnp.dtype(dtype or w.dtype))

@@ -30,6 +30,7 @@ from lora_utils import random_adapters
 
 import glm52_jax
 from glm52_jax import config
+from glm52_jax.checkpoint import hf, hf_fp8
 from glm52_jax.model import fp8
 from glm52_jax.model.lora import LoRA, LoRAConfig
 from glm52_jax.model.transformer import GlmMoeDsa
@@ -186,6 +187,100 @@ def test_malformed_fp8_checkpoints_fail_naming_the_tensor(tmp_path, case, messag
     with pytest.raises(ValueError, match=message) as err:
         glm52_jax.load_pretrained(path, dtype=jnp.float32)
     assert "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------------------------------------------
+# A float checkpoint read as its FP8 release (`load_pretrained(fp8=...)`, model.base_weights="fp8").
+
+
+def _assert_same(got, want, key):
+    """Same kind of value, shapes, dtypes, shardings and bits (e4m3 compared as bytes)."""
+    assert type(got) is type(want), key
+    if isinstance(want, fp8.Fp8Weight):
+        assert (got.block, got.dtype) == (want.block, want.dtype), key
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert (g.shape, g.dtype, g.sharding) == (w.shape, w.dtype, w.sharding), key
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8), err_msg=str(key))
+
+
+def test_the_release_rule_is_the_test_helpers():
+    """The package's rule (written apart from tests/fp8_checkpoint.py) quantizes the helper's modules, and its
+    numpy quantizer gives the helper's values and scales bit for bit, partial and all-zero blocks included."""
+    names = hf.expected_tensors(CFG)
+    assert hf_fp8.RELEASE == hf_fp8.Fp8Config((128, 128), tuple(fc.NOT_CONVERT))
+    assert {n for n in names if hf_fp8.quantizes(n, hf_fp8.RELEASE)} == {n for n in names if fc.is_quantized(n)}
+    w = fc.random_tensors(CFG, seed=2)["model.layers.0.self_attn.q_b_proj.weight"]
+    w[:16, :12] = 0
+    for block in (BLOCK, (80, 32), (128, 128)):
+        values, scales = hf_fp8.quantize_hf(w, block)
+        want_values, want_scales = fc.quantize(w, block)
+        assert values.dtype == want_values.dtype and scales.dtype == np.float32
+        np.testing.assert_array_equal(values.view(np.uint8), want_values.view(np.uint8))
+        np.testing.assert_array_equal(scales, want_scales)
+
+
+def test_quantized_view_reads_each_tensor_once(tmp_path):
+    """The view's headers say e4m3 + a float32 scale grid; a second read of the same weight (the next device's
+    slice) and its scales come from what the first read quantized; other tensors pass through."""
+    tensors = fc.random_tensors(CFG, seed=1)
+    ckpt = hf._Checkpoint(fc.write(tmp_path / "float", CFG, tensors))
+    reads, read = [], ckpt.get
+    ckpt.get = lambda name: reads.append(name) or read(name)
+    o_proj, q_a = "model.layers.1.self_attn.o_proj.weight", "model.layers.1.self_attn.q_a_proj.weight"
+    view = hf_fp8.QuantizedView(ckpt, [o_proj, q_a], BLOCK)
+    want_values, want_scales = fc.quantize(tensors[o_proj], BLOCK)
+    assert view.names() - ckpt.names() == {o_proj + "_scale_inv", q_a + "_scale_inv"}
+    assert (view.info(o_proj).dtype, view.info(o_proj).shape) == ("F8_E4M3", tensors[o_proj].shape)
+    scale_info = view.info(o_proj + "_scale_inv")
+    assert (scale_info.dtype, scale_info.shape) == ("F32", want_scales.shape)
+    values = [view.get(o_proj), view.get(o_proj)]
+    np.testing.assert_array_equal(view.get(o_proj + "_scale_inv"), want_scales)
+    assert reads == [o_proj] and values[0] is values[1]
+    np.testing.assert_array_equal(values[0].view(np.uint8), want_values.view(np.uint8))
+    # Scales asked before the values: computed from the weight alone (the helper's, bit for bit).
+    np.testing.assert_array_equal(view.get(q_a + "_scale_inv"), fc.quantize(tensors[q_a], BLOCK)[1])
+    norm = "model.layers.1.input_layernorm.weight"
+    assert view.info(norm).dtype == "F32" and np.array_equal(view.get(norm), tensors[norm])
+
+
+@pytest.mark.parametrize("block, mesh", [(BLOCK, None), ((128, 128), None), (BLOCK, "folded=8")])
+def test_quantize_on_load_gives_the_fp8_checkpoints_weights(tmp_path, block, mesh):
+    """A float32 checkpoint loaded with `fp8` = (block, the release's modules) holds exactly the parameters,
+    Fp8Weights (values and scales) included, that loading the FP8 checkpoint the test helper writes from the
+    same tensors gives, on one device and on a mesh (each device reading its slices). An FP8 checkpoint loads as
+    stored whatever `fp8` asks."""
+    tensors = fc.random_tensors(CFG, seed=1)
+    fp8_dir = fc.write(tmp_path / "fp8", CFG, fc.fp8_tensors(tensors, block), fc.quant_config(block))
+    float_dir = fc.write(tmp_path / "float", CFG, tensors)
+    quant = hf_fp8.Fp8Config(block, hf_fp8.RELEASE.not_convert)
+    spec = parse_mesh(mesh or "folded=1")
+    with axis_rules(spec.rules()):
+        shardings = spec.make() if mesh else None
+        got = flat_values(glm52_jax.load_pretrained(float_dir, dtype=jnp.float32, shardings=shardings, fp8=quant))
+        want = flat_values(glm52_jax.load_pretrained(fp8_dir, dtype=jnp.float32, shardings=shardings))
+        stored = flat_values(glm52_jax.load_pretrained(fp8_dir, dtype=jnp.float32, shardings=shardings,
+                                                       fp8=hf_fp8.RELEASE))
+    assert got.keys() == want.keys() == stored.keys()
+    assert sum(isinstance(v, fp8.Fp8Weight) for v in got.values()) == 14  # one stack: every projection but weights_proj
+    for key in want:
+        _assert_same(got[key], want[key], key)
+        _assert_same(stored[key], want[key], key)
+
+
+def test_quantize_on_load_needs_per_expert_tensors(tmp_path):
+    tensors = fc.random_tensors(CFG, seed=1)
+    for layer in range(CFG.num_hidden_layers):
+        p = f"model.layers.{layer}.mlp.experts."
+        stacked = {proj: np.stack([tensors.pop(f"{p}{x}.{proj}.weight") for x in range(CFG.n_routed_experts)])
+                   for proj in ("gate_proj", "up_proj", "down_proj")}
+        tensors[p + "gate_up_proj"] = np.concatenate([stacked["gate_proj"], stacked["up_proj"]], axis=1)
+        tensors[p + "down_proj"] = stacked["down_proj"]
+    path = fc.write(tmp_path / "fused", CFG, tensors)
+    glm52_jax.load_pretrained(path, dtype=jnp.float32)  # as stored: fine
+    with pytest.raises(ValueError, match=r"quantizing to FP8 while loading needs per-expert tensors such as "
+                                         r"'model.layers.0.mlp.experts.0.down_proj.weight'; this checkpoint stores "
+                                         r"the experts fused"):
+        glm52_jax.load_pretrained(path, dtype=jnp.float32, fp8=hf_fp8.RELEASE)
 
 
 # ------------------------------------------------------------------------------------------------

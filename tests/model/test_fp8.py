@@ -153,3 +153,35 @@ def test_fp8_expert_parallel_matches_one_device_dequantized():
         got = _experts(ep, x, weights, experts, w_placed)
     for g, r in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
+
+
+
+# ------------------------------------------------------------------------------------------------
+# Quantizing (a random init under model.base_weights="fp8").
+
+
+@pytest.mark.parametrize("shape, block", [((2, 50, 37), (16, 12)), ((300, 200), (128, 128)), ((3, 5, 7), (1, 4, 8))])
+def test_quantize_follows_the_release_rule(shape, block):
+    """`fp8.quantize` against the test helper's independent numpy rule, per block of the trailing dims: scale =
+    amax / 448 (XLA:CPU divides through a reciprocal: within 1 ulp of numpy's), value = w / scale rounded to e4m3
+    (the helper's, or one e4m3 step from it where that ulp tips a tie); an all-zero block gets scale 1."""
+    rng = np.random.default_rng(4)
+    w = (rng.standard_normal(shape) * 0.08).astype(np.float32)
+    w[..., :block[-2], :block[-1]] = 0
+    got = jax.jit(fp8.quantize, static_argnums=1)(jnp.asarray(w), block)
+    assert got.values.dtype == fp8.E4M3 and got.scales.dtype == jnp.float32 and got.block == block
+    assert got.scales.shape == fp8.scale_shape(shape, block) and got.dtype == jnp.float32
+    scales, values = np.asarray(got.scales), np.asarray(got.values).astype(np.float32)
+    assert np.all(scales[..., 0, 0] == 1.0) and not np.any(values[..., :block[-2], :block[-1]])
+    # Per matrix of the leading dims (a leading block of 1 is the same thing).
+    lead = shape[:-2]
+    for index in np.ndindex(lead):
+        want_values, want_scales = fc.quantize(w[index], block[-2:])
+        want_values = want_values.astype(np.float32)
+        np.testing.assert_allclose(scales[index], want_scales, rtol=2.0 ** -23, atol=0)
+        step = np.maximum(np.maximum(np.abs(values[index]), np.abs(want_values)) / 8, 2.0 ** -9)
+        assert np.all(np.abs(values[index] - want_values) <= step) and np.mean(values[index] != want_values) < 0.01
+    # e4m3 keeps 3 mantissa bits: |w - value x scale| <= 2^-4 |w| (normals), 2^-10 x scale (subnormals).
+    full = np.asarray(fp8.expand_scales(got.scales, block, shape))
+    error = np.abs(np.asarray(fp8.dense(got)) - w)
+    assert np.all(error <= np.maximum(np.abs(w) * 2.0 ** -4, full * 2.0 ** -10) * (1 + 1e-6))

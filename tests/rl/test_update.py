@@ -71,6 +71,30 @@ def test_one_step_trains_lora_only(fresh, batch):
     np.testing.assert_allclose(_flat(model, LoRA)[a_path], lora_before[a_path] * (1 - 1e-3 * 0.01), rtol=1e-6)
 
 
+def test_one_step_on_an_fp8_base_trains_lora_only(fresh, batch):
+    """The same step on the base quantized as `model.base_weights="fp8"` does it (e4m3 + 128 x 128 block scales
+    on every projection): every family's B moves, and the base (values and scales) and the inventory the
+    transaction takes of it stay bit for bit (tests/rl/test_policy.py runs the embedded policy, marked slow)."""
+    from glm52_jax.checkpoint.hf import quantize_model
+    from glm52_jax.checkpoint.hf_fp8 import RELEASE
+    from glm52_jax.checkpoint.inventory import changed_entries, param_inventory
+    from glm52_jax.model.fp8 import Fp8Weight
+
+    model = quantize_model(nnx.clone(fresh), RELEASE)
+    base = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+    assert sum(isinstance(v, Fp8Weight) for v in base) == 11 + 12  # tests/plan/test_plan.py's count, same layers
+    optimizer = LoRAOptimizer(model, ADAMW)
+    base_before, inventory_before = _bytes(nnx.state(model, nnx.Param)), param_inventory(model)
+    result = grpo_update(model, optimizer, **batch, mode="shared_prefix")
+    assert np.isfinite(float(result.loss)) and float(result.grad_norm) > 0
+    assert _bytes(nnx.state(model, nnx.Param)) == base_before
+    changed = changed_entries(inventory_before, param_inventory(model))
+    assert changed and all("_lora/" in name for name in changed), changed
+    families = {p: v.get_metadata()["family"] for p, v in nnx.to_flat_state(nnx.state(model, LoRA))}
+    assert {families[p] for p, after in _flat(model, LoRA).items()
+            if p[-1] in ("b", "b_k", "b_v") and np.abs(after).max() > 0} == set(FAMILIES)
+
+
 def test_transform_clips_by_global_norm_then_adamw():
     grads = {"a": jnp.asarray([3.0, 4.0]), "b": jnp.asarray([0.0])}  # global norm 5
     params = {"a": jnp.asarray([1.0, -1.0]), "b": jnp.asarray([2.0])}
