@@ -18,6 +18,8 @@ MOE_CROSS_HOST = ("xla", "nccl")  # parallel/xla_options.py: how XLA:GPU runs th
 MOE_TRANSPORTS = ("auto", "dense", "ragged")  # model/expert_parallel.py: auto = ragged on GPU, dense elsewhere
 DTYPES = ("float32", "bfloat16")  # parameter (and activation) dtype of the base model
 CACHE_DTYPES = ("auto", "float8_e4m3fn")  # model/cache_fp8.py: decode-cache latent + indexer key; auto = model dtype
+# rl/inputs.py base_fp8: the base weights on device as the checkpoint stores them, or FP8 as the release stores them
+BASE_WEIGHTS = ("stored", "fp8")
 PRESETS = ("tiny", "glm52")  # config.py architectures for `model.checkpoint="random"` and plan mode
 CHECKPOINT_KEYWORDS = ("embedded", "random")  # model.checkpoint besides a directory path
 # plan/: programs plan mode can compile

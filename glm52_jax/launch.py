@@ -147,7 +147,7 @@ def _plan(spec) -> dict:
     from glm52_jax.parallel.xla_options import cross_host_options
     from glm52_jax.plan.planner import plan
     from glm52_jax.plan.report import format_plan
-    from glm52_jax.rl.inputs import check_capacity, model_config
+    from glm52_jax.rl.inputs import base_fp8, check_capacity, model_config
     from glm52_jax.rl.settings import lora_config, model_options
 
     cfg, _, scaling_source, source = model_config(spec.model, preset_without_checkpoint=True)
@@ -159,7 +159,7 @@ def _plan(spec) -> dict:
                   dtype=spec.model.jnp_dtype(), chunk_size=s.chunk_size, prefill_mode=s.prefill_mode,
                   hbm_bytes=spec.plan.hbm_gib * 2**30, programs=spec.plan.programs, target=spec.plan.target,
                   options=model_options(spec.model), xla_options=cross_host_options(spec.model.moe_cross_host),
-                  log=_log)
+                  base_fp8=base_fp8(spec.model), log=_log)
     report["model_source"] = source
     _log(format_plan(report))
     if FLAGS.workdir:

@@ -163,6 +163,7 @@ class ModelSpec(_Section):
     checkpoint: str = _rules(lambda v: None if v else _CHECKPOINT)
     preset: str = _rules(one_of(choices.PRESETS))
     dtype: str = _rules(one_of(choices.DTYPES))
+    base_weights: str = _rules(one_of(choices.BASE_WEIGHTS))
     rope_scaling_json: str = _rules()
     tokenizer: str = _rules()
     kernels: str = _rules(one_of(choices.KERNELS))

@@ -24,6 +24,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.checkpoint = "embedded"  # "embedded" (the shipped tiny policy), "random" (seeded init), or an HF dir
     c.model.preset = "tiny"  # architecture for checkpoint="random", and for plan mode without a checkpoint
     c.model.dtype = "float32"  # base weights and activations: float32 or bfloat16
+    c.model.base_weights = "stored"  # base on device: stored (as the checkpoint) | fp8 (e4m3, 128x128 block scales)
     c.model.rope_scaling_json = ""  # a YaRN payload file; "" = $GLM52_ROPE_SCALING_JSON if set, else native
     c.model.tokenizer = ""  # tokenizer.json or its dir; "" = the checkpoint's, else the project's tiny one
     c.model.kernels = "auto"  # DSA + expert grouped-matmul kernels: auto (Pallas on GPU, else jnp), reference, pallas

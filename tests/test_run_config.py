@@ -19,7 +19,7 @@ from glm52_jax.run_config import (
 from tests.run_helpers import config_spec, load_config
 
 
-@pytest.mark.parametrize("name", ["tiny", "2m", "32k_parity"])
+@pytest.mark.parametrize("name", ["tiny", "2m", "2m_one_node", "32k_parity"])
 def test_shipped_configs_build_and_round_trip(name):
     spec = config_spec(name)
     again = RunSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
@@ -47,6 +47,17 @@ def test_configs_override_only_what_they_change():
                                                           "sampling.prefill_mode",
                                                           "sampling.prefix_cache_mib_per_device",
                                                           "sampling.samples_per_request", "search.probe_tokens"]
+
+
+def test_one_node_config_is_the_2m_run_on_eight_h200():
+    """configs/2m_one_node.py: configs/2m.py's transaction (YaRN payload, 8 samples per request with G = 2, the
+    shared prompt cache, the probe) on one 8-GPU node: folded=8, FP8 base weights, planned for the H200."""
+    m2, one = (flatten(config_spec(n).to_dict()) for n in ("2m", "2m_one_node"))
+    assert sorted(k for k in m2 if m2[k] != one[k]) == ["mesh", "model.base_weights", "name", "plan.target",
+                                                       "sampling.prefill_mode", "sampling.prefix_cache_mib_per_device"]
+    assert (one["mesh"], one["model.base_weights"], one["plan.target"]) == ("folded=8", "fp8", "h200")
+    assert config_spec("2m_one_node").mesh_spec().describe() == "DP1/TP1/CP8/EP8/PP1"
+    assert (m2["model.base_weights"], config_spec("tiny").model.base_weights) == ("stored", "stored")
 
 
 def test_weight_sharding_reaches_the_mesh_rules():
@@ -98,6 +109,7 @@ def test_the_spec_and_the_launcher_start_without_jax():
     ("model.lora_families", ("attention", "attention"), "lists an entry twice"),
     ("model.lora_rank", 0, "--config.model.lora_rank=0: must be >= 1"),
     ("model.dtype", "float16", "--config.model.dtype=float16: must be one of float32, bfloat16"),
+    ("model.base_weights", "int8", "--config.model.base_weights=int8: must be one of stored, fp8"),
     ("model.kernels", "cuda", "--config.model.kernels=cuda: must be one of auto, reference, pallas"),
     ("model.moe_transport", "nccl", "--config.model.moe_transport=nccl: must be one of auto, dense, ragged"),
     ("model.moe_token_block", 0, "--config.model.moe_token_block=0: must be >= 1"),

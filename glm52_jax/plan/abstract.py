@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from glm52_jax.checkpoint import hf, hf_fp8
 from glm52_jax.model.kv_cache import CACHE_AXES, KVCache, init_cache, scale_axes
 from glm52_jax.model.shared_cache import SUFFIX_AXES, SuffixCache, init_suffix
 from glm52_jax.model.transformer import GlmMoeDsa, layer_kinds, plan_segments
@@ -71,20 +72,26 @@ def cache_bytes(cache: KVCache | SuffixCache, per_device: bool) -> int:
     return tree_bytes(cache.stacks(), per_device)
 
 
-def abstract_model(cfg, opts, mesh) -> tuple[nnx.GraphDef, nnx.State]:
+def abstract_model(cfg, opts, mesh, fp8=None) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, state) of the model with every array a sharded ShapeDtypeStruct.
 
     `nnx.eval_shape` traces the constructor only; each variable's `out_sharding` metadata (its
     logical axes, 'layers' prepended on scanned stacks) picks its NamedSharding, exactly as
-    `load_pretrained(..., shardings=mesh)` places real weights.
+    `load_pretrained(..., shardings=mesh)` places real weights. `fp8` (a `checkpoint.hf_fp8.Fp8Config`, or
+    None for weights of `opts.param_dtype`): the base weights `hf.fp8_key` selects are `Fp8Weight`s (e4m3
+    values, float32 scales on `hf_fp8.fp8_param`'s grid) placed as `hf_fp8.materialize` places a loaded one.
     """
     abstract = nnx.eval_shape(lambda: GlmMoeDsa(cfg, opts, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     leaves = []
     for key, var in nnx.to_flat_state(state):
         value = var.get_value()
-        sharding = sharding_for(var, mesh)  # FSDP-sharded base weights included
-        leaves.append((key, var.replace(jax.ShapeDtypeStruct(tuple(value.shape), value.dtype, sharding=sharding))))
+        shape = tuple(value.shape)
+        if fp8 is not None and isinstance(var, nnx.Param) and hf.fp8_key(cfg, key, fp8):
+            value = hf_fp8.fp8_struct(hf_fp8.fp8_param(cfg, fp8, key, shape), shape, value.dtype)
+        sharding = sharding_for(var.replace(value), mesh)  # FSDP-sharded base weights included
+        leaves.append((key, var.replace(jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, sharding=s), value, sharding))))
     return graphdef, nnx.from_flat_state(leaves)
 
 

@@ -44,7 +44,7 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
          capacity_multiple: int = 256, donate_cache: bool = False, adamw=None, fast_compile: bool = True,
          prefill_mode: str = "chunked", samples_per_request: int = 0, probe_tokens: int = 0,
          target: str = "cpu", topology: str | None = None, xla_options: dict | None = None,
-         log: Callable[[str], None] | None = None) -> dict[str, Any]:
+         base_fp8=None, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Lowers and compiles the run's programs on `mesh_spec` with abstract weights and inputs.
 
     model_cfg: `ModelConfig` (apply rope scaling beforehand, e.g. `with_env_rope_scaling()`).
@@ -68,6 +68,8 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
       `targets.LAUNCHER_MEM_FRACTION`, and each program gets a modeled time (`targets.modeled_time`).
     xla_options: XLA options the run sets (`parallel.xla_options`), given to every GPU compile; recorded in
       the report's target.
+    base_fp8: the base weights' FP8 format on device (`checkpoint.hf_fp8.Fp8Config`: block and modules left
+      out, `rl.inputs.base_fp8`), or None for weights of `dtype`; recorded as the report's model.base_weights.
     Returns a JSON-serialisable dict (see `format_plan`); per-device numbers throughout.
     """
     programs = tuple(programs)
@@ -101,11 +103,11 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
         capacity = slot_capacity(prompt_tokens + max_new_tokens, capacity_multiple, ways(mesh, "seq"))
         probe_capacity = (slot_capacity(probe_tokens + max_new_tokens, capacity_multiple, ways(mesh, "seq"))
                           if probe_tokens else 0)
-        graphdef, state = abstract_model(model_cfg, opts, mesh)
+        graphdef, state = abstract_model(model_cfg, opts, mesh, base_fp8)
         setup = PlanSetup(model_cfg, opts, mesh, graphdef, state, prompt_tokens, max_new_tokens, num_samples,
                           chunk_size, prefill_mode, capacity, gradient_mode, logprob_chunk, donate_cache,
                           samples_per_request, probe_tokens, probe_capacity)
-        report = static_report(setup, mesh_spec, lora, dtype)
+        report = static_report(setup, mesh_spec, lora, dtype, base_fp8)
         report["issues"] = []
         report["notes"] = notes_for(target)
         report["target"] = _target_record(target, topology if gpu else None, hbm_bytes)

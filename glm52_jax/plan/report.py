@@ -77,6 +77,14 @@ def _scale(largest: float, names: Sequence[tuple[str, float]]) -> tuple[str, flo
     return names[-1]
 
 
+def _base_format(model: dict[str, Any]) -> str:
+    """", FP8 base (128x128 blocks)" when the plan's base weights are FP8; "" otherwise (older reports too)."""
+    base = model.get("base_weights") or {}
+    if base.get("format") != "float8_e4m3fn":
+        return ""
+    return f", FP8 base ({'x'.join(map(str, base['block']))} blocks, {base['fp8_params']} parameters)"
+
+
 def format_plan(report: dict[str, Any]) -> str:
     """A readable summary of a `plan` report (all per device; units fit the largest number).
 
@@ -98,7 +106,8 @@ def format_plan(report: dict[str, Any]) -> str:
         f"prefill={sh.get('prefill_mode', 'chunked')} "
         f"capacity={sh['planned_capacity']} mode={sh['gradient_mode']} dtype={sh['dtype']}",
         f"params {m['param_count']:,} ({m['param_bytes'] / bs:.3f} {bu}, {m['param_bytes_per_device'] / bs:.3f} "
-        f"{bu}/device); LoRA {m['lora_count']:,} ({m['lora_bytes_per_device'] / bs:.3f} {bu}/device); cache "
+        f"{bu}/device{_base_format(m)}); LoRA {m['lora_count']:,} ({m['lora_bytes_per_device'] / bs:.3f} "
+        f"{bu}/device); cache "
         f"batch 1 {report['cache']['batch1_bytes_per_device'] / bs:.3f} {bu}/device, decode (shared prompt + S "
         f"suffixes) {report['cache']['decode_bytes_per_device'] / bs:.3f} {bu}/device",
     ]

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from glm52_jax.model.fp8 import Fp8Weight
 from glm52_jax.model.lora import LoRA
 from glm52_jax.plan.abstract import cache_bytes, tree_bytes, ways
 from glm52_jax.plan.programs import PlanSetup
@@ -72,10 +73,24 @@ def program_indexer_flops(s: PlanSetup, name: str) -> float:
     return per_pair * pairs / ways(s.mesh, "seq")
 
 
-def static_report(s: PlanSetup, mesh_spec, lora, dtype) -> dict[str, Any]:
+def base_weights_record(base: nnx.State, dtype, fp8) -> dict[str, Any]:
+    """The report's model.base_weights: the format of the frozen base on device. FP8 (`fp8`, an
+    `hf_fp8.Fp8Config`): its block and the modules left out, and how many parameters (arrays of ours) and
+    elements are e4m3, with their bytes per device (values and scales); else every weight in `dtype`."""
+    if fp8 is None:
+        return {"format": str(dtype)}
+    held = [v.get_value() for _, v in nnx.to_flat_state(base) if isinstance(v.get_value(), Fp8Weight)]
+    return {"format": "float8_e4m3fn", "block": list(fp8.block), "not_convert": list(fp8.not_convert),
+            "other_dtype": str(dtype), "fp8_params": len(held), "fp8_elements": sum(math.prod(w.shape) for w in held),
+            "fp8_bytes_per_device": tree_bytes(held, True)}
+
+
+def static_report(s: PlanSetup, mesh_spec, lora, dtype, base_fp8=None) -> dict[str, Any]:
     """{"mesh", "shapes", "model", "indexer_analytic", "cache"} of a plan report."""
     _, lora_state, base = nnx.split(nnx.merge(s.graphdef, s.state), LoRA, ...)
     cache1, suffix = s.cache(1), s.suffix(s.decode_rows)
+    # An FP8 weight is one parameter of its values' shape (its scales are not parameters, but bytes).
+    shapes = [v.get_value().shape for _, v in nnx.to_flat_state(base)]
     return {
         "mesh": {"describe": mesh_spec.describe(), "axes": dict(zip(mesh_spec.axis_names, mesh_spec.shape)),
                  "devices": mesh_spec.size, "platform": jax.default_backend(),
@@ -92,8 +107,9 @@ def static_report(s: PlanSetup, mesh_spec, lora, dtype) -> dict[str, Any]:
                    "options": {k: getattr(s.opts, k) for k in ("indexer_query_block", "indexer_key_block",
                                                                 "attention_query_block", "remat", "cache_dtype")}},
         "model": {"layers": s.cfg.num_hidden_layers,
-                  "param_count": sum(math.prod(x.shape) for x in jax.tree.leaves(base)),
+                  "param_count": sum(math.prod(shape) for shape in shapes),
                   "param_bytes": tree_bytes(base, False), "param_bytes_per_device": tree_bytes(base, True),
+                  "base_weights": base_weights_record(base, dtype, base_fp8),
                   "lora_count": sum(math.prod(x.shape) for x in jax.tree.leaves(lora_state)),
                   "lora_bytes": tree_bytes(lora_state, False), "lora_bytes_per_device": tree_bytes(lora_state, True)},
         "indexer_analytic": indexer_analytic(s),

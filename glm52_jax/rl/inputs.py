@@ -38,23 +38,47 @@ def rope_scaling(model: ModelSpec):
         raise ConfigError(f"{source}: {e}") from None
 
 
-def native_model_config(model: ModelSpec, *, preset_without_checkpoint: bool = False):
-    """(ModelConfig with the checkpoint's native positions, where it came from).
-
-    The checkpoint's config.json, without an FP8 checkpoint's quantization_config (how the weights are stored,
-    not part of the model: `load_pretrained` returns the same config); the preset for `checkpoint="random"`,
-    or (plan mode, `preset_without_checkpoint`) when the checkpoint is not on this machine.
-    """
+def _checkpoint_config(model: ModelSpec):
+    """(ModelConfig without its quantization_config, that FP8 setting or None) of the local checkpoint's
+    config.json; None when the checkpoint is not on this machine (or is `random`)."""
     from glm52_jax import config as config_lib
     from glm52_jax.checkpoint.hf_fp8 import split_quantization
 
     path = model.checkpoint_path
-    if path is not None and (path / "config.json").is_file():
-        try:
-            _, cfg = split_quantization(config_lib.ModelConfig.from_json_file(path / "config.json"))
-        except ValueError as e:
-            raise ConfigError(f"--config.model.checkpoint={model.checkpoint}: {e}") from None
-        return cfg, str(path)
+    if path is None or not (path / "config.json").is_file():
+        return None
+    try:
+        quant, cfg = split_quantization(config_lib.ModelConfig.from_json_file(path / "config.json"))
+    except ValueError as e:
+        raise ConfigError(f"--config.model.checkpoint={model.checkpoint}: {e}") from None
+    return cfg, quant
+
+
+def base_fp8(model: ModelSpec):
+    """The FP8 format of the run's base weights on device (`checkpoint.hf_fp8.Fp8Config`), or None (every weight
+    in `model.dtype`): a local FP8 checkpoint's own quantization_config (it loads as stored); else, for
+    `model.base_weights="fp8"`, the release's (`hf_fp8.RELEASE`: 128 x 128 blocks, weights_proj left out)."""
+    from glm52_jax.checkpoint.hf_fp8 import RELEASE
+
+    stored = _checkpoint_config(model)
+    if stored is not None and stored[1] is not None:
+        return stored[1]
+    return RELEASE if model.base_weights == "fp8" else None
+
+
+def native_model_config(model: ModelSpec, *, preset_without_checkpoint: bool = False):
+    """(ModelConfig with the checkpoint's native positions, where it came from).
+
+    The checkpoint's config.json, without an FP8 checkpoint's quantization_config (how the weights are stored,
+    not part of the model: `load_pretrained` returns the same config; `base_fp8` reads it); the preset for
+    `checkpoint="random"`, or (plan mode, `preset_without_checkpoint`) when the checkpoint is not on this machine.
+    """
+    from glm52_jax import config as config_lib
+
+    path = model.checkpoint_path
+    stored = _checkpoint_config(model)
+    if stored is not None:
+        return stored[0], str(path)
     if path is None or preset_without_checkpoint:
         return config_lib.PRESETS[model.preset](), f"preset:{model.preset}"
     raise ConfigError(f"--config.model.checkpoint={model.checkpoint}: no config.json in {str(path)!r} "

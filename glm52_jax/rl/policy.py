@@ -9,19 +9,24 @@ from glm52_jax.run_config import ConfigError, RunSpec
 
 def build_base(spec: RunSpec, inputs: RunInputs, mesh=None, *, options=None):
     """The frozen base model: the checkpoint read slice by slice (per device under `mesh`), or for
-    `checkpoint="random"` a seeded init of the preset. `options` (ModelOptions) default to the spec's."""
+    `checkpoint="random"` a seeded init of the preset. `options` (ModelOptions) default to the spec's.
+    Its weights' format is `inputs.base_fp8`'s: with `model.base_weights="fp8"` a float checkpoint is quantized
+    as it is read and a random init after it is built (the same FP8 parameters and block grids either way)."""
     from flax import nnx
 
-    from glm52_jax.checkpoint.hf import load_pretrained
+    from glm52_jax.checkpoint.hf import load_pretrained, quantize_model
     from glm52_jax.model.transformer import GlmMoeDsa
+    from glm52_jax.rl.inputs import base_fp8
 
     options = options or settings.model_options(spec.model)
-    path = spec.model.checkpoint_path
+    path, fp8 = spec.model.checkpoint_path, base_fp8(spec.model)
     if path is None:
         base = GlmMoeDsa(inputs.model_cfg, options, rngs=nnx.Rngs(spec.seed))
+        if fp8 is not None:
+            base = quantize_model(base, fp8)
     else:
         base = load_pretrained(path, dtype=options.param_dtype, shardings=mesh, rope_scaling=inputs.rope_scaling,
-                               options=options)
+                               options=options, fp8=fp8)
     if base.cfg != inputs.model_cfg:
         raise AssertionError("the loaded model's config differs from the resolved one")  # a bug, not bad input
     return base

@@ -16,11 +16,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 from glm52_jax import choices, config
 from glm52_jax.model.kv_cache import slot_capacity
 from glm52_jax.model.lora import LoRAConfig
 from glm52_jax.model.options import ModelOptions
+from glm52_jax.model.transformer import GlmMoeDsa
 from glm52_jax.parallel.mesh import MeshSpec
 from glm52_jax.plan.devices import ensure_virtual_devices
 from glm52_jax.plan.planner import plan
@@ -47,8 +49,10 @@ def _plan(mesh, programs, chunk_size=32, **kw):
     fresh process it never has."""
     args = json.dumps({"mesh": dataclasses.asdict(mesh), "programs": list(programs), "chunk_size": chunk_size, **kw})
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_plan; "
-            "from glm52_jax.parallel.mesh import MeshSpec; a = json.loads(sys.argv[2]); "
-            "a['mesh'] = MeshSpec(**a['mesh']); print('PLAN ' + json.dumps(test_plan._plan_here(**a)))")
+            "from glm52_jax.parallel.mesh import MeshSpec; from glm52_jax.checkpoint.hf_fp8 import Fp8Config; "
+            "a = json.loads(sys.argv[2]); a['mesh'] = MeshSpec(**a['mesh']); "
+            "a['base_fp8'] = a.get('base_fp8') and Fp8Config(*map(tuple, a['base_fp8'])); "
+            "print('PLAN ' + json.dumps(test_plan._plan_here(**a)))")
     proc = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__), args], capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -300,3 +304,52 @@ def test_launcher_plan_mode_makes_its_own_virtual_devices(tmp_path):
     assert report["mesh"]["devices"] == 4 and report["model_source"].endswith("tiny_policy")
     assert report["programs"]["prefill"]["memory"]["total_bytes"] == summary["largest_total_bytes"] > 0
     assert "prefill" in out.stderr  # the readable table
+
+
+def test_fp8_base_weights_plan():
+    """FP8 base weights (the release's 128 x 128 blocks) on folded=8: the programs compile with e4m3 values and
+    float32 scales as arguments, exactly the abstract state's bytes, fewer than the float32 base's; the inventory
+    digests both arrays of every FP8 weight (its output: 16 bytes per array)."""
+    fp8_plan = _plan(FOLDED, ("prefill", "inventory"), base_fp8=[[128, 128], ["indexer.weights_proj"]])
+    model, base = fp8_plan["model"], fp8_plan["model"]["base_weights"]
+    assert (base["format"], base["block"], base["not_convert"]) == ("float8_e4m3fn", [128, 128],
+                                                                    ["indexer.weights_proj"])
+    # The dense layer: q_a, q_b, kv_a, w_uk, w_uv, o_proj, its indexer's wq_b, wk, 3 MLP matrices; the stack of 2
+    # MoE layers (shared indexer: no wq_b / wk): 6 attention, 3 shared-expert and 3 routed-expert matrices.
+    assert base["fp8_params"] == 11 + 12 and fp8_plan["fits"] and not fp8_plan["issues"]
+    assert base["fp8_elements"] < base["fp8_bytes_per_device"] * 8 < model["param_bytes"]
+    weights = model["param_bytes_per_device"] + model["lora_bytes_per_device"]
+    inventory = fp8_plan["programs"]["inventory"]["memory"]
+    n_vars = len(nnx.to_flat_state(nnx.state(nnx.eval_shape(
+        lambda: GlmMoeDsa(CFG, dataclasses.replace(OPTS, lora=LORA), rngs=nnx.Rngs(0))))))
+    assert inventory["argument_bytes"] == weights and inventory["output_bytes"] == 16 * (n_vars + base["fp8_params"])
+    prefill = fp8_plan["programs"]["prefill"]["memory"]
+    assert prefill["argument_bytes"] == fp8_plan["programs"]["prefill"]["input_bytes_per_device"]
+    assert prefill["argument_bytes"] == weights + fp8_plan["cache"]["batch1_bytes_per_device"] + 32 // 8 * 4 + 4
+
+
+@pytest.mark.slow
+def test_launcher_plans_fp8_base_weights(tmp_path):
+    """`--config.model.base_weights=fp8` on the embedded (float32) policy: plan mode compiles the programs with
+    the FP8 abstract model (the weights a run would quantize as it reads them), records the format, and the
+    inventory digests both arrays of every FP8 weight."""
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    out = subprocess.run(
+        [sys.executable, "-m", "glm52_jax.launch", f"--config={root}/configs/tiny.py", "--mode=plan",
+         f"--workdir={tmp_path}", "--config.mesh=folded=8", "--config.model.base_weights=fp8",
+         "--config.plan.programs=('prefill', 'decode', 'inventory')", "--config.data.prompt_tokens=96",
+         "--config.sampling.chunk_size=32", "--config.sampling.max_new_tokens=8"],
+        capture_output=True, text=True, timeout=600, cwd=root, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads((tmp_path / "plan.json").read_text())
+    base = report["model"]["base_weights"]
+    assert (base["format"], base["block"], base["not_convert"]) == ("float8_e4m3fn", [128, 128],
+                                                                    ["indexer.weights_proj"])
+    assert report["fits"] and set(report["programs"]) == {"prefill", "decode", "inventory"}
+    # The FP8 weights' e4m3 values (1 byte each) and float32 scales, out of every base weight's bytes per device.
+    assert base["fp8_elements"] / 8 < base["fp8_bytes_per_device"] < report["model"]["param_bytes_per_device"]
+    inventory = report["programs"]["inventory"]
+    arrays = int(inventory["what"].split(" of ")[1].split()[0])
+    assert inventory["memory"]["output_bytes"] == 16 * arrays
+    assert "FP8 base (128x128 blocks" in out.stderr  # the readable summary says so

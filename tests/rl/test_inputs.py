@@ -83,3 +83,30 @@ def test_a_broken_checkpoint_template_is_a_one_line_config_error(tmp_path, templ
     with pytest.raises(ConfigError, match=match) as info:
         resolve(_spec(**{"model.checkpoint": str(_checkpoint(tmp_path, template))}))
     assert "\n" not in str(info.value)
+
+
+def test_base_weights_format(tmp_path):
+    """`base_fp8`: None for weights as stored in a float checkpoint; the release's 128 x 128 format for
+    base_weights="fp8" (also on a random init); a local FP8 checkpoint's own format whatever the key says. Its
+    quantization_config is the weights' format, not the model's (the run's model config has none); a malformed
+    one is a one-line config error naming the flag."""
+    from glm52_jax.checkpoint.hf_fp8 import RELEASE, Fp8Config
+    from glm52_jax.rl.inputs import base_fp8, native_model_config
+
+    assert base_fp8(_spec().model) is None
+    assert base_fp8(_spec(**{"model.base_weights": "fp8"}).model) == RELEASE
+    assert base_fp8(_spec(**{"model.checkpoint": "random", "model.base_weights": "fp8"}).model) == RELEASE
+    ckpt = _checkpoint(tmp_path)
+    raw = json.loads((ckpt / "config.json").read_text())
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [64, 32], "modules_to_not_convert": ["o_proj"]}
+    (ckpt / "config.json").write_text(json.dumps({**raw, "quantization_config": quant}))
+    for key in ("stored", "fp8"):
+        model = _spec(**{"model.checkpoint": str(ckpt), "model.base_weights": key}).model
+        assert base_fp8(model) == Fp8Config((64, 32), ("o_proj",))
+        cfg, _ = native_model_config(model)
+        assert "quantization_config" not in dict(cfg.extra) and cfg == native_model_config(_spec().model)[0]
+    (ckpt / "config.json").write_text(json.dumps({**raw, "quantization_config": {**quant, "fmt": "e5m2"}}))
+    with pytest.raises(ConfigError) as info:
+        resolve(_spec(**{"model.checkpoint": str(ckpt)}), data=False)
+    assert str(info.value) == (f"--config.model.checkpoint={ckpt}: config.json quantization_config.fmt: only 'e4m3' "
+                               "is supported, got 'e5m2'")

@@ -80,3 +80,43 @@ def test_an_adapter_of_another_lora_config_fails_in_resolve(adapter):
                                        "model.lora_families": ("attention", "routed_experts")}))
     assert str(info.value).startswith(f"--config.model.init_adapter={path}: {path / 'adapter_config.json'}: "
                                       "target_modules has ['lm_head'] the run does not adapt")
+
+
+@pytest.mark.slow  # ~70 s (build_policy's eager adapter init, the inventory and the step compile); fast variant:
+# tests/rl/test_update.py::test_one_step_on_an_fp8_base_trains_lora_only
+def test_fp8_policy_trains_only_its_adapters():
+    """`model.base_weights="fp8"` on the embedded (float32) policy: build_policy reads it as its FP8 release (e4m3
+    + block scales on every projection), and one GRPO step gives every adapter family a gradient, moves the
+    adapters and leaves every base array (e4m3 values and scales included) bit for bit as it was, as the
+    transaction's parameter inventory checks it."""
+    from glm52_jax.checkpoint.inventory import changed_entries, param_inventory
+    from glm52_jax.model import fp8
+    from glm52_jax.model.lora import FAMILIES
+    from glm52_jax.rl.update import grpo_update
+
+    spec = config_spec("tiny", **{"model.base_weights": "fp8"})
+    model, optimizer = build_policy(spec, resolve(spec, data=False))
+    base = {k: v.get_value() for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    held = {"/".join(map(str, k)) for k, v in base.items() if isinstance(v, fp8.Fp8Weight)}
+    projections = {k for k in base if k[-1] in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "w_uk", "w_uv", "o_proj",
+                                                "wq_b", "wk", "gate_proj", "up_proj", "down_proj", "w_gate", "w_up",
+                                                "w_down")}
+    assert held == {"/".join(map(str, k)) for k in projections}
+    before = param_inventory(model)
+    assert {name for name in before if name.rsplit("/", 1)[0] in held} == {
+        f"{name}/{part}" for name in held for part in ("values", "scales")}
+    rng = np.random.default_rng(0)
+    p, g, r = 40, 2, 6
+    result = grpo_update(model, optimizer, prompt=rng.integers(0, 512, p).astype(np.int32),
+                         responses=rng.integers(0, 512, (g, r)).astype(np.int32),
+                         response_mask=np.ones((g, r), np.float32),
+                         old_logprobs=rng.normal(-6.3, 0.2, (g, r)).astype(np.float32),
+                         advantages=np.array([0.7, -0.7], np.float32), mode="shared_prefix")
+    assert np.isfinite(float(result.loss)) and float(result.grad_norm) > 0
+    # A fresh adapter's B is zero, so its A has no gradient yet: every family's B does.
+    families = {path: v.get_metadata()["family"] for path, v in nnx.to_flat_state(nnx.state(model, LoRA))}
+    moved = {families[path] for path, v in nnx.to_flat_state(result.grads)
+             if path[-1] in ("b", "b_k", "b_v") and np.abs(np.asarray(v.get_value())).max() > 0}
+    assert moved == set(FAMILIES)
+    changed = changed_entries(before, param_inventory(model))
+    assert changed and all("_lora/" in name for name in changed), changed
