@@ -1,16 +1,17 @@
-"""The seed's exact-2M transaction on ONE node: 8 x H200 (CP8 / EP8 folded), FP8 base weights.
+"""The seed's exact-2M transaction on ONE node: 8 x H200 (CP8 / EP8 folded), FP8 base weights and cache.
 
     python -m glm52_jax.launch --config=configs/2m_one_node.py --config.model.checkpoint=/ckpt/GLM-5.2-FP8 \\
         --config.data.path=/data/dapo-math-17k.parquet --workdir=/runs/2m_one_node
     python -m glm52_jax.launch --config=configs/2m_one_node.py --mode=plan --workdir=/tmp/plan1n   # no weights
 
 Everything of configs/2m.py (2,097,152-token prompts after a 64K engine probe, 16 new tokens, 8 samples per
-request of which G = 2 train, whole-prompt prefill, the shared prompt cache, YaRN from configs/glm52_2m_yarn.json,
-the bounded dense MoE exchange, tensor-parallel few-token calls) on 8 GPUs of one host instead of 32 of four.
-In BF16 the base is ~1.49 TB, which 8 x 141 GB cannot hold; as the FP8 release stores it (e4m3 with 128 x 128
-block scales on the projection matrices, `model.base_weights="fp8"`: the FP8 checkpoint loads as stored, the BF16
-one is quantized as it is read) it is ~0.75 TB, 1/8 per device. The plan compiles every program for the H200
-with XLA's GPU compiler (topology 1x1x8) and judges it against 141 GB x 0.90 (the launcher's memory fraction).
+request of which G = 2 train, response_only, the shared prompt cache, YaRN from configs/glm52_2m_yarn.json, the
+bounded dense MoE exchange, tensor-parallel few-token calls) on 8 GPUs of one host instead of 32 of four. In BF16
+the base is ~1.49 TB, which 8 x 141 GiB cannot hold; as the FP8 release stores it (e4m3 with 128 x 128 block scales
+on the projection matrices, `model.base_weights="fp8"`: an FP8 checkpoint loads as stored, a BF16 one is quantized
+as it is read) it is 746 GB, 93.3 GB per device. The plan compiles every program for the H200 with XLA's GPU
+compiler (topology 1x1x8) and judges it against 141 GiB x 0.90 (the launcher's memory fraction): with the FP8
+cache and 16K prefill chunks every program fits (largest: a chunk, 127.6 of 136.3 GB; benchmarks/RESULTS.md).
 Keys not set here keep configs/2m.py's values.
 """
 
@@ -32,12 +33,12 @@ def get_config():
     c.name = "online_grpo_2m_one_node"
     c.mesh = "folded=8"  # TP1 / CP8 / EP8 / PP1: one 8-way axis for the sequence and the experts, one host
     c.model.base_weights = "fp8"
-    c.plan.target = "h200"  # planned deviceless for 1x1x8 H200 (141 GB each; the budget is 0.90 of it)
-    # Chunked prefill: 128 calls of 16K against the cache (each holds the weights, the cache in and the cache out:
-    # 148.8 GB planned) instead of one whole-prompt forward (203.6 GB: its 2M-token activations and the output cache's
-    # re-layout copies); neither fits 136.3 GB with a bf16 cache yet (BUILD_NOTES: what closes it).
+    c.plan.target = "h200"  # planned deviceless for 1x1x8 H200 (141 GiB each; the budget is 0.90 of it)
+    # The decode / prefix cache's latent and indexer keys in e4m3 with per-row scales: 13.9 GB per device instead of
+    # 25.0 (bf16), which the programs holding two caches (a chunk's cache in and out) and train need to fit. The
+    # prefix cache's 16 GiB per device (configs/2m.py) keeps it: the next candidate recomputes only its tail.
+    c.model.cache_dtype = "float8_e4m3fn"
+    # Chunked prefill: 128 calls of 16K against the cache (the weights, the cache in and the cache out: 127.6 GB
+    # planned) instead of one whole-prompt forward (204.1 GB: the 262,144 tokens per device's attention activations).
     c.sampling.prefill_mode = "chunked"
-    # The 2M prompt's cache is ~211 GB in all, ~26 GB per device over 8: the prefix cache keeps it (the next candidate
-    # of the same filler recomputes only its tail).
-    c.sampling.prefix_cache_mib_per_device = 32_768
     return c
