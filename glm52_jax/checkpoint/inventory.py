@@ -11,21 +11,7 @@ from __future__ import annotations
 from flax import nnx
 
 from glm52_jax.checkpoint.digest import digest_table, hex_digest
-from glm52_jax.model.fp8 import Fp8Weight
-
-
-def state_leaves(state: nnx.State) -> dict[str, object]:
-    """`{"path/to/leaf": array}` of a state's array leaves (leaves without a shape skipped), on device. An FP8
-    weight (`model.fp8.Fp8Weight`) is its two arrays, "path/values" (e4m3) and "path/scales" (float32)."""
-    out = {}
-    for path, var in nnx.to_flat_state(state):
-        value = var.get_value() if hasattr(var, "get_value") else var
-        name = "/".join(map(str, path))
-        if isinstance(value, Fp8Weight):
-            out[f"{name}/values"], out[f"{name}/scales"] = value.values, value.scales
-        elif hasattr(value, "shape"):
-            out[name] = value
-    return out
+from glm52_jax.model.named_arrays import state_leaves
 
 
 def state_inventory(state: nnx.State) -> dict[str, dict]:

@@ -31,7 +31,7 @@ def state_arrays(state) -> dict[str, Any]:
     must call this for the same state)."""
     import numpy as np
 
-    from glm52_jax.checkpoint.inventory import state_leaves
+    from glm52_jax.model.named_arrays import state_leaves
     from glm52_jax.parallel.placement import to_host
 
     named = state_leaves(state)  # the inventory's names: an FP8 weight as its values and scales

@@ -12,9 +12,10 @@ from lora_utils import fast_rngs
 import glm52_jax
 from glm52_jax import config
 from glm52_jax.checkpoint.digest import LANES
-from glm52_jax.checkpoint.inventory import changed_entries, param_inventory, state_leaves
+from glm52_jax.checkpoint.inventory import changed_entries, param_inventory
 from glm52_jax.evidence.hashing import state_arrays
 from glm52_jax.model.lora import LoRAConfig
+from glm52_jax.model.named_arrays import state_leaves
 from glm52_jax.model.transformer import GlmMoeDsa
 from glm52_jax.parallel.mesh import parse_mesh
 from glm52_jax.parallel.placement import place_model
