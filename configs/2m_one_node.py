@@ -15,21 +15,15 @@ cache and 16K prefill chunks every program fits (largest: a chunk, 127.6 of 136.
 Keys not set here keep configs/2m.py's values.
 """
 
-import importlib.util
 from pathlib import Path
+
+from glm52_jax import run_defaults
 
 HERE = Path(__file__).resolve().parent
 
 
-def _two_million():
-    spec = importlib.util.spec_from_file_location("configs_2m", HERE / "2m.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
-
 def get_config():
-    c = _two_million()
+    c = run_defaults.from_file(HERE / "2m.py")
     c.name = "online_grpo_2m_one_node"
     c.mesh = "folded=8"  # TP1 / CP8 / EP8 / PP1: one 8-way axis for the sequence and the experts, one host
     c.model.base_weights = "fp8"

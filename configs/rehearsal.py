@@ -15,21 +15,15 @@ run to 1e-5); only the scale changes: the project's tiny policy, a YaRN payload 
 and the cache's 530 slots divide neither 8 devices nor 4 (the 2M run's 2,097,168 does not divide 32).
 """
 
-import importlib.util
 from pathlib import Path
+
+from glm52_jax import run_defaults
 
 HERE = Path(__file__).resolve().parent
 
 
-def _two_million():
-    spec = importlib.util.spec_from_file_location("configs_2m", HERE / "2m.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
-
 def get_config():
-    c = _two_million()
+    c = run_defaults.from_file(HERE / "2m.py")
     c.name = "rehearsal_2m"
     c.mesh = "folded=8"  # the 2M run's folded axis, 8 wide; context=4,expert=2 is the other mesh rehearsed
     c.model.checkpoint = "embedded"  # the project's tiny GLM-5.2 policy (hidden 64, 6 layers, 8 experts)

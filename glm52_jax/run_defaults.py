@@ -9,9 +9,22 @@ validates every value before anything is loaded.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import ml_collections
 
 from glm52_jax import choices
+
+
+def from_file(path: str | Path) -> ml_collections.ConfigDict:
+    """`get_config()` of a config file (what `--config=PATH` loads): for configs built on another one
+    (configs/rehearsal.py and configs/2m_one_node.py start from configs/2m.py)."""
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(f"glm52_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
 
 
 def get_config() -> ml_collections.ConfigDict:

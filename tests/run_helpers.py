@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shlex
 from pathlib import Path
 
+from glm52_jax import run_defaults
 from glm52_jax.run_config import RunSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -14,10 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def load_config(name: str):
     """The ConfigDict of configs/<name>.py, as `--config=configs/<name>.py` loads it."""
-    spec = importlib.util.spec_from_file_location(f"cfg_{name}", ROOT / "configs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return run_defaults.from_file(ROOT / "configs" / f"{name}.py")
 
 
 def config_spec(config: str = "tiny", /, **dotted) -> RunSpec:
