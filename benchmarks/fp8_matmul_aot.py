@@ -24,9 +24,10 @@ The b_* variants are compiled twice: as XLA chooses (Triton GEMM fusions) and wi
 off (cuBLASLt; `__cublas$lt$matmul$f8` for the FP8 dots).
 
 Per variant: the kernels XLA emits (fusion kinds, custom-call targets), temporaries, HBM bytes and FLOPs as plan
-mode models them (`plan.hlo_traffic`, `plan.hlo`), and the modeled time max(FLOPs / bf16 peak, bytes / HBM
-bandwidth) with the target's speeds (`plan.targets.SPEEDS`; an FP8 tensor-core peak is 2x the bf16 one on
-Hopper, noted beside, not used). Results: the JSON (--out) and a table on stdout.
+mode models them (`plan.hlo_traffic`, `plan.hlo`), the roofline max(FLOPs / bf16 peak, bytes / HBM bandwidth)
+at the efficiency table's datasheet peaks (`plan.efficiency`; an FP8 tensor-core peak is 2x the bf16 one on
+Hopper, noted beside, not used), and the per-kernel estimate (`plan.kernel_cost`, central scenario). Results: the
+JSON (--out) and a table on stdout.
 """
 
 from __future__ import annotations
@@ -148,7 +149,8 @@ def _kernels_of(text: str) -> list[str]:
 
 def measure(name: str, fn, args, target: str, options: dict | None) -> dict:
     from glm52_jax.kernels import aot
-    from glm52_jax.plan import hlo, hlo_traffic, targets
+    from glm52_jax.plan import hlo, hlo_traffic, kernel_cost
+    from glm52_jax.plan.efficiency import load_table
 
     start = time.perf_counter()
     compiled = aot.compile_for_gpu(fn, *args, target=target, options=options)
@@ -156,13 +158,16 @@ def measure(name: str, fn, args, target: str, options: dict | None) -> dict:
     text = compiled.compiled.as_text()
     moved = hlo_traffic.traffic(text, [0])["memory_bytes_executed"]
     flops = hlo.analyze_hlo(text)["flops"]
-    speeds = targets.SPEEDS[target]
-    compute_s, memory_s = flops["flops_executed"] / speeds.flops_per_s, moved / speeds.hbm_bytes_per_s
+    table = load_table()
+    rates = table.rates(target)
+    compute_s, memory_s = flops["flops_executed"] / rates.bf16_flops_per_s, moved / rates.hbm_bytes_per_s
+    estimate = kernel_cost.estimate_program(kernel_cost.Program(text, [0]), table, target, {})
     custom = sorted(set(re.findall(r'custom_call_target="([^"]+)"', text)))
     return {"variant": name, "xla_options": options or {}, "compile_s": round(seconds, 1),
             "temp_bytes": compiled.memory["temp"], "argument_bytes": compiled.memory["argument"],
             "hbm_bytes": moved, "flops": flops["flops_executed"], "dot_flops": flops["dot_flops_executed"],
             "modeled_s": max(compute_s, memory_s), "bound": "compute" if compute_s >= memory_s else "memory",
+            "estimate_central_s": estimate["central_s"],
             "custom_calls": custom, "kernels": _kernels_of(text),
             "pallas": {k: {"shared_memory": v.shared_memory, "registers": v.registers, "spill_bytes": v.spill_bytes}
                        for k, v in compiled.kernels.items() if k.startswith("grouped_matmul")}}

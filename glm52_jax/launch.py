@@ -29,6 +29,8 @@ from pathlib import Path
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from glm52_jax.plan.targets import LAUNCHER_MEM_FRACTION  # imports no JAX
+
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("train", "plan", "export", "parity", "forward")
 FLAGS = flags.FLAGS
@@ -159,13 +161,14 @@ def _plan(spec) -> dict:
                   dtype=spec.model.jnp_dtype(), chunk_size=s.chunk_size, prefill_mode=s.prefill_mode,
                   hbm_bytes=spec.plan.hbm_gib * 2**30, programs=spec.plan.programs, target=spec.plan.target,
                   options=model_options(spec.model), xla_options=cross_host_options(spec.model.moe_cross_host),
-                  base_fp8=base_fp8(spec.model), log=_log)
+                  base_fp8=base_fp8(spec.model), efficiency_table=spec.plan.efficiency_table or None, log=_log)
     report["model_source"] = source
     _log(format_plan(report))
     if FLAGS.workdir:
         save_plan(report, Path(FLAGS.workdir), _log)
+    timing = {k: report[k] for k in ("first_candidate_s", "model_version") if k in report}
     return {k: report[k] for k in ("fits", "largest_program", "largest_total_bytes", "hbm_bytes")} | \
-        {"mesh": report["mesh"]["describe"], "target": spec.plan.target}
+        {"mesh": report["mesh"]["describe"], "target": spec.plan.target} | timing
 
 
 def save_plan(report: dict, workdir: Path, log) -> None:
@@ -263,6 +266,9 @@ def main(argv):
     from glm52_jax.run_config import ConfigError
 
     distributed.default_to_cpu_without_a_gpu()
+    # The share of each GPU's memory JAX preallocates (its default is 75%): the budget plan mode judges every
+    # program against, set here so that a direct `python -m glm52_jax.launch` runs with what was planned.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(LAUNCHER_MEM_FRACTION))
     outcome: dict = {}
     try:
         spec = _spec()  # every value checked, before JAX starts
@@ -272,9 +278,10 @@ def main(argv):
             raise ConfigError(str(e)) from None
         if FLAGS.mode == "plan":
             from glm52_jax.plan.devices import ensure_virtual_devices
-            from glm52_jax.plan.targets import check_target
+            from glm52_jax.plan.targets import check_efficiency_table, check_target
 
             check_target(spec.plan.target)  # a GPU target without the CUDA plugin: a config error, before compiling
+            check_efficiency_table(spec.plan.efficiency_table, spec.plan.target)
             ensure_virtual_devices(spec.mesh_spec().size)  # before JAX starts: virtual CPU devices for the mesh
         else:  # the run's XLA options, before JAX starts its backend (plan mode gives them to each compile)
             from glm52_jax.parallel.xla_options import cross_host_options, export_to_environ

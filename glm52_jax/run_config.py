@@ -360,6 +360,7 @@ class PlanSpec(_Section):
     programs: tuple[str, ...] = _rules(subset_of(choices.PLAN_PROGRAMS))
     hbm_gib: float = _rules(number(0.0))
     target: str = _rules(one_of(choices.PLAN_TARGETS))
+    efficiency_table: str = _rules()  # checked whole before compiling (plan.targets.check_efficiency_table)
 
 
 @dataclasses.dataclass(frozen=True)

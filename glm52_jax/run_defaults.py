@@ -141,8 +141,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.plan.hbm_gib = 96.0  # per-device memory the programs must fit with plan.target=cpu (H20: 96 GiB)
     # Where the programs compile: "cpu" = virtual CPU devices (XLA:CPU, runs anywhere); "h20" / "h200" = XLA's GPU
     # compiler, deviceless (needs the gpu-aot extra), topology HOSTSx1x8 (1x1xN up to 8 GPUs), fits against the
-    # target's memory x XLA_PYTHON_CLIENT_MEM_FRACTION (0.90, launch/run_node.sh), plus a modeled time per program.
+    # target's memory x XLA_PYTHON_CLIENT_MEM_FRACTION (0.90, which the launcher sets), plus a per-kernel time
+    # estimate per program and of the first candidate (optimistic / central / pessimistic).
     c.plan.target = "cpu"
+    # The efficiency table the time estimate divides by: "" = the packaged one (glm52_jax/plan/efficiency_table.json);
+    # a path = one a calibration run wrote (scripts/gpu_check.sh on a lent GPU: python -m glm52_jax.plan.calibrate).
+    c.plan.efficiency_table = ""
 
     c.export = ml_collections.ConfigDict()  # --mode=export: PEFT adapter + merged HF checkpoint
     # The merged checkpoint's config.json keeps the run's position extension (e.g. the 2M YaRN payload) instead of

@@ -133,9 +133,11 @@ def index_scores(q: jax.Array, w: jax.Array, q_pos: jax.Array, keys: jax.Array, 
         out_specs=pl.BlockSpec((None, tile_q, t.tile_k), lambda i, j, b: (b, i, j)),
         compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=kernels.interpret(),
-        # Each (query tile, key tile) program reads its key tile (+ per-key positions / scales), once per tile.
+        # Each (query tile, key tile) program reads its key tile (+ per-key positions / scales), once per tile;
+        # every tile does its dots (masked ones too): 2 * H * I per (query, key) pair of the padded grid.
         name=kernels.traffic_name("dsa_index_scores", q.nbytes + w.size * 4 + batch * sq * nk * 4
-                                  + (sq // tile_q) * batch * nk * (dim * keys.dtype.itemsize + 8)),
+                                  + (sq // tile_q) * batch * nk * (dim * keys.dtype.itemsize + 8),
+                                  flops=2.0 * batch * sq * nk * heads * dim),
     )(offsets, q, w.astype(jnp.float32), q_pos.astype(jnp.int32), keys, key_pos.astype(jnp.int32), k_scale)
     return out[:, :seq, :num_keys]
 

@@ -70,6 +70,7 @@ from jax.sharding import PartitionSpec as P
 from glm52_jax.choices import MOE_TRANSPORTS
 from glm52_jax.kernels import targets_gpu
 from glm52_jax.model.grouped_mlp import ExpertAdapters, experts_ragged, grouped_swiglu, lora_arrays
+from glm52_jax.model.loop_scopes import PASS_LOOP  # the pass loop's scope, for plan mode's estimate
 from glm52_jax.parallel.rules import logical_to_spec
 
 # A bounded exchange keeps at least this many rows per destination (a few tokens' rounds, e.g. a decode step's
@@ -167,7 +168,8 @@ def _sum_of_passes(term, count, diff, ints):
             return p + 1, jax.tree.map(jnp.add, acc, term(p, diff, ints))
 
         zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(term, jnp.int32(0), diff, ints))
-        return jax.lax.while_loop(lambda c: c[0] < count, body, (jnp.int32(0), zeros))[1]
+        with jax.named_scope(PASS_LOOP):
+            return jax.lax.while_loop(lambda c: c[0] < count, body, (jnp.int32(0), zeros))[1]
 
     def fwd(count, diff, ints):
         return run(count, diff, ints), (count, diff, ints)
@@ -180,7 +182,9 @@ def _sum_of_passes(term, count, diff, ints):
             _, vjp = jax.vjp(lambda d: term(p, d, ints), diff)
             return p + 1, jax.tree.map(jnp.add, acc, vjp(cot)[0])
 
-        grads = jax.lax.while_loop(lambda c: c[0] < count, body, (jnp.int32(0), jax.tree.map(jnp.zeros_like, diff)))
+        with jax.named_scope(PASS_LOOP):
+            grads = jax.lax.while_loop(lambda c: c[0] < count, body,
+                                       (jnp.int32(0), jax.tree.map(jnp.zeros_like, diff)))
         return None, grads[1], None
 
     run.defvjp(fwd, bwd)

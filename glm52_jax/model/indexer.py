@@ -32,6 +32,7 @@ from glm52_jax.kernels import indexer_select as kernel_select
 from glm52_jax.kernels import use_pallas
 from glm52_jax.model import cache_fp8
 from glm52_jax.model.layers import LayerNorm, param, project
+from glm52_jax.model.loop_scopes import CACHED_KEY_LOOP, CAUSAL_KEY_LOOP
 from glm52_jax.parallel.rules import constrain
 
 INVALID = -1  # top-k slot with no causal key (rows with fewer than K predecessors)
@@ -75,6 +76,25 @@ def _pad_to(x: jax.Array, axis: int, multiple: int, value) -> jax.Array:
     return jnp.pad(x, widths, constant_values=value)
 
 
+def causal_blocks(seq: int, num_keys: int, query_block: int, key_block: int, kernels: str) -> tuple[int, int]:
+    """(query block, key block) of `streaming_topk`'s loops for `seq` queries over `num_keys` keys: the options'
+    blocks (the Pallas path's at least its tiling's group / chunk), at most what the sequence needs. Plan mode's
+    trip counts (plan/loop_trips.py) use the same rule."""
+    if use_pallas(kernels):
+        return kernel_indexer.blocks(seq, num_keys, query_block, key_block)
+    return min(query_block, seq), min(key_block, num_keys)
+
+
+def cached_blocks(queries: int, capacity: int, query_block: int, key_block: int, kernels: str) -> tuple[int, int]:
+    """(query block, key block) of `cached_topk` for `queries` queries over a cache of `capacity` slots. Few
+    queries (decode) take proportionally longer key blocks: the live score block stays query_block x key_block
+    while the loop runs fewer, larger steps."""
+    wide = key_block * max(1, query_block // queries)
+    if use_pallas(kernels):
+        return kernel_indexer.blocks(queries, capacity, query_block, wide)
+    return min(query_block, queries), min(wide, capacity)
+
+
 def block_scores(q: jax.Array, w: jax.Array, k: jax.Array, scale: float) -> jax.Array:
     """Index scores of a query block against a key block: `[B,s,H,I], [B,s,H], [B,t,I] -> [B,s,t]`."""
     logits = jnp.einsum("bshi,bti->bsht", q, k, preferred_element_type=jnp.float32) * scale
@@ -83,7 +103,8 @@ def block_scores(q: jax.Array, w: jax.Array, k: jax.Array, scale: float) -> jax.
 
 def streaming_topk(q: jax.Array, w: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: jax.Array, topk: int, *,
                    scale: float, query_block: int, key_block: int, sorted_keys: bool = True,
-                   return_scores: bool = False, kernels: str = "reference", score_dtype=None):
+                   return_scores: bool = False, kernels: str = "reference", score_dtype=None,
+                   loop_name: str = CAUSAL_KEY_LOOP):
     """Exact causal top-k of the index scores without materialising `[S, T]`.
 
     q: [B,S,H,I], w: [B,S,H], k: [B,T,I], q_pos: [S], k_pos: [T] (key s is visible to query t
@@ -94,13 +115,14 @@ def streaming_topk(q: jax.Array, w: jax.Array, k: jax.Array, q_pos: jax.Array, k
     `kernels` (ModelOptions.kernels) selects the scoring: this module's jnp blocks or the fused
     Pallas kernel (glm52_jax.kernels.indexer), which scores in `score_dtype` (default: k's dtype;
     the model passes its parameter dtype: its q and k are values of that dtype held in float32,
-    so the cast is exact). Same top-k either way (the merge below is shared).
+    so the cast is exact). Same top-k either way (the merge below is shared). `loop_name`: the key loop's
+    name scope (`loop_scopes`), which tells plan mode's estimate which trip count it has.
     """
     batch, seq = q.shape[:2]
     num_keys = k.shape[1]
     k, k_pos = jax.lax.stop_gradient(k), k_pos.astype(jnp.int32)
+    qb, kb = causal_blocks(seq, num_keys, query_block, key_block, kernels)
     if use_pallas(kernels):
-        qb, kb = kernel_indexer.blocks(seq, num_keys, query_block, key_block)
         dtype = k.dtype if score_dtype is None else score_dtype
         keys = k.astype(dtype)  # once per call; the kernel reads key rows in place from it
 
@@ -109,7 +131,6 @@ def streaming_topk(q: jax.Array, w: jax.Array, k: jax.Array, q_pos: jax.Array, k
                                                  scale=scale)
             return scores, j * kb + jnp.arange(kb, dtype=jnp.int32)
     else:
-        qb, kb = min(query_block, seq), min(key_block, num_keys)
         nk = -(-num_keys // kb)
         k_blocks = _pad_to(k, 1, kb, 0.0).reshape(batch, nk, kb, -1).swapaxes(0, 1)  # [nk, B, kb, I]
         kpos_blocks = _pad_to(k_pos, 0, kb, jnp.iinfo(jnp.int32).max).reshape(nk, kb)  # padding: never visible
@@ -131,7 +152,7 @@ def streaming_topk(q: jax.Array, w: jax.Array, k: jax.Array, q_pos: jax.Array, k
 
     kk = min(topk, num_keys)
     merger = _SelectMerge(kk) if use_pallas(kernels) else None
-    return _topk_core(q, w, q_pos, score_block, visible_blocks, qb, kk, return_scores, merger)
+    return _topk_core(q, w, q_pos, score_block, visible_blocks, qb, kk, return_scores, merger, loop_name)
 
 
 def cached_topk(q: jax.Array, w: jax.Array, keys: jax.Array, index: tuple, q_pos: jax.Array, length: jax.Array,
@@ -150,13 +171,10 @@ def cached_topk(q: jax.Array, w: jax.Array, keys: jax.Array, index: tuple, q_pos
     batch, capacity, dim = keys.shape[-3:]
     lead = tuple(jnp.asarray(i, jnp.int32) for i in index)
     kk = min(topk, capacity)
-    # Few queries (decode) take proportionally longer key blocks: the live score block stays
-    # query_block x key_block while the loop runs fewer, larger steps.
-    wide = key_block * max(1, query_block // q.shape[1])
+    qb, kb = cached_blocks(q.shape[1], capacity, query_block, key_block, kernels)
     if key_scales is not None:
         key_scales = jax.lax.stop_gradient(key_scales)
     if use_pallas(kernels):
-        qb, kb = kernel_indexer.blocks(q.shape[1], capacity, query_block, wide)
         # The queries are never quantized: e4m3 keys score against queries in `score_dtype` (float32 without one).
         dtype = (keys.dtype if key_scales is None else jnp.float32) if score_dtype is None else score_dtype
         slots = jnp.arange(capacity, dtype=jnp.int32)
@@ -169,8 +187,7 @@ def cached_topk(q: jax.Array, w: jax.Array, keys: jax.Array, index: tuple, q_pos
             return scores, j * kb + jnp.arange(kb, dtype=jnp.int32)
 
         return _topk_core(q, w, q_pos, score_block, lambda qpos_blk: (length + kb - 1) // kb, qb, kk, True,
-                          _SelectMerge(kk))
-    kb = min(wide, capacity)
+                          _SelectMerge(kk), CACHED_KEY_LOOP)
     zero = jnp.zeros((), jnp.int32)
 
     def read(j):
@@ -191,7 +208,7 @@ def cached_topk(q: jax.Array, w: jax.Array, keys: jax.Array, index: tuple, q_pos
         return jax.lax.stop_gradient(keys_f32), kpos, slots
 
     return _topk_core(q, w, q_pos, _reference_scores(read, scale), lambda qpos_blk: (length + kb - 1) // kb,
-                      min(query_block, q.shape[1]), kk, True)
+                      qb, kk, True, None, CACHED_KEY_LOOP)
 
 
 def merge_topk(first: tuple[jax.Array, jax.Array], second: tuple[jax.Array, jax.Array], topk: int) -> jax.Array:
@@ -255,13 +272,14 @@ class _SelectMerge:
         return kernel_select.finish(carry, self.kk)
 
 
-def _topk_core(q, w, q_pos, score_block, visible_blocks, qb, kk, return_scores, merger=None):
+def _topk_core(q, w, q_pos, score_block, visible_blocks, qb, kk, return_scores, merger=None,
+               loop_name=CAUSAL_KEY_LOOP):
     """Query blocks of qb (`lax.map`) x visible key blocks (`fori_loop`) with a running top-k.
 
     score_block(j, q_blk [B,qb,H,I], w_blk [B,qb,H], qpos_blk [qb]) -> (scores [B,qb,kb] float32,
     -inf where not visible; key indices [kb], consecutive and increasing with j); visible_blocks(qpos_blk)
     -> number of leading key blocks any query of the block can see. `merger`: `_SortMerge` (default)
-    or `_SelectMerge`.
+    or `_SelectMerge`. `loop_name`: the key loop's name scope (CAUSAL_KEY_LOOP / CACHED_KEY_LOOP).
     """
     merger = _SortMerge(kk) if merger is None else merger
     # No gradient flows through selection (HF runs the indexer under no_grad); stopping it at the
@@ -279,7 +297,8 @@ def _topk_core(q, w, q_pos, score_block, visible_blocks, qb, kk, return_scores, 
         def merge(j, carry):
             return merger.step(carry, *score_block(j, q_blk, w_blk, qpos_blk))
 
-        carry = jax.lax.fori_loop(0, visible_blocks(qpos_blk), merge, merger.init(batch, qb))
+        with jax.named_scope(loop_name):
+            carry = jax.lax.fori_loop(0, visible_blocks(qpos_blk), merge, merger.init(batch, qb))
         return merger.finish(carry)
 
     q_blocks = q.reshape(batch, nq, qb, *q.shape[2:]).swapaxes(0, 1)

@@ -54,6 +54,7 @@ from glm52_jax.model import cache_fp8
 from glm52_jax.model import context_parallel as context
 from glm52_jax.model.indexer import cached_topk, merge_topk, streaming_topk
 from glm52_jax.model.kv_cache import KVCache, LayerCacheView, SegmentCache, empty_stacks
+from glm52_jax.model.loop_scopes import SUFFIX_KEY_LOOP
 from glm52_jax.model.sparse_attention import cached_rows, sparse_mla_rows
 from glm52_jax.parallel.rules import constrain
 
@@ -223,7 +224,7 @@ def attention(q_lat, q_rope, c_new, r_new, positions, view: SharedLayerView, ind
         keys = view.rows_with_chunk(view.suffix_i, prompt.index_slot, ik_new, view.suffix_is)  # [G,Rs,I] float32
         key_pos = prompt.length + jnp.arange(keys.shape[1], dtype=jnp.int32)
         vals, idx = streaming_topk(iq, iw, keys, positions, key_pos, index_topk, scale=index_scale,
-                                   return_scores=True, **indexer_blocks)
+                                   return_scores=True, loop_name=SUFFIX_KEY_LOOP, **indexer_blocks)
         suffix_candidates = (vals, jnp.where(idx >= 0, idx + prompt.length, idx))
     scoring = dict(topk=index_topk, kk=kk, scale=index_scale, blocks=indexer_blocks)
     sharded = context.cached_layout(rows * seq, prompt.capacity, context_parallel)

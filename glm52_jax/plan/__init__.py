@@ -36,9 +36,11 @@ exactly what each number is).
 Compile target (`target`, the config's `plan.target`): "h20" / "h200" compile every program with
 XLA's GPU compiler, deviceless (`kernels.aot`, the gpu-aot extra), for a topology of hosts x 8 GPUs
 (`targets.topology_for`: 32 -> 4x1x8; up to 8 GPUs, one host), judge `fits` against the target's
-memory x the launcher's XLA_PYTHON_CLIENT_MEM_FRACTION (0.90), and model each program's time per
-call from its FLOPs, HBM traffic and collective bytes by link (`hlo_traffic`,
-`targets.modeled_time`; the assumed speeds are in the report). "cpu": the process's devices; plan
+memory (the efficiency table's, measured where it was) x the XLA_PYTHON_CLIENT_MEM_FRACTION the launcher
+sets (0.90), and estimate each program's time per kernel (`kernel_cost`: every kernel the program launches at
+its class's measured or assumed efficiency, with the real trip counts of the model's data-dependent loops from
+`loop_trips`, collectives by kind and link) in three scenarios from the efficiency table (`efficiency`), and the
+first candidate's. "cpu": the process's devices; plan
 mode normally runs on a virtual CPU mesh (`ensure_virtual_devices`, which must run before JAX
 starts), with LLVM optimisation off (`FAST_CPU_COMPILE`; the plan never runs code). XLA:CPU differs
 from a GPU build in ways the numbers show: `lax.ragged_dot` (the MoE) is lowered densely over the
@@ -46,7 +48,9 @@ local experts, and bf16 collectives are converted to f32. Treat its bytes as an 
 plan, exact for arguments; it models no time.
 
 Modules: hlo (HLO text parsing and counting, pure Python), hlo_traffic (HBM bytes and collective
-bytes by link, pure Python), targets (plan.target, topology, speeds, modeled time; no JAX),
+bytes by link, pure Python), kernel_cost (the per-kernel time estimate, pure Python), efficiency (the
+efficiency table it reads), loop_trips (data-dependent loop trip counts), estimate (the one-forward estimate
+CLI), calibrate (a new efficiency table from a GPU's measurements), targets (plan.target, topology, budget; no JAX),
 devices (virtual devices, no JAX at import), capacity, abstract (abstract state / caches / inputs),
 programs (the program builders), measure (compile and read the executable), static (the analytic
 report part), report (verdict, NOTES, the readable table; pure Python), planner (`plan`). Import

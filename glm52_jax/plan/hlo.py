@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 COLLECTIVE_KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -149,17 +150,28 @@ def dims(shape: str) -> list[int]:
     return [int(d) for d in m.group(2).split(",") if d] if m else []
 
 
-def _call_graph(comps: dict[str, list[Instr]]) -> dict[str, list[tuple[str, int, bool]]]:
-    """callee -> [(caller, times per caller execution, whether that count is known)]."""
-    callers: dict[str, list[tuple[str, int, bool]]] = {name: [] for name in comps}
+def _call_graph(comps: dict[str, list[Instr]], trip_of: Callable[[Instr], float | None] | None = None,
+                gpu_conditions: bool = False) -> dict[str, list[tuple[str, float, bool]]]:
+    """callee -> [(caller, times per caller execution, whether that count is known)].
+
+    trip_of(while_instr): the trip count of a while whose count XLA could not prove (a data-dependent loop),
+    or None (counted once, unknown). gpu_conditions: a while's condition runs as XLA:GPU runs it, once per
+    trip plus the exit test for a loop of unknown count and never for one of a known count (XLA:GPU then
+    loops on the host); else once per execution of the while."""
+    callers: dict[str, list[tuple[str, float, bool]]] = {name: [] for name in comps}
     for caller, instrs in comps.items():
         for ins in instrs:
             trip = _TRIP.search(ins.attrs)
+            given = trip_of(ins) if (trip_of is not None and ins.opcode == "while" and trip is None) else None
             for role, callee in _CALLEE.findall(ins.attrs):
                 if callee not in callers:
                     continue
                 if ins.opcode == "while" and role == "body":
-                    callers[callee].append((caller, int(trip.group(1)) if trip else 1, trip is not None))
+                    count = int(trip.group(1)) if trip else (1 if given is None else given)
+                    callers[callee].append((caller, count, trip is not None or given is not None))
+                elif ins.opcode == "while" and role == "condition" and gpu_conditions:
+                    count = 0 if trip else (2 if given is None else given + 1)
+                    callers[callee].append((caller, count, trip is not None or given is not None))
                 else:
                     applied = role == "to_apply" and ins.opcode != "call"  # a `call` runs its to_apply once
                     callers[callee].append((caller, int(not applied and ins.opcode not in _ASYNC_FOLLOWERS), True))
@@ -170,11 +182,13 @@ def _call_graph(comps: dict[str, list[Instr]]) -> dict[str, list[tuple[str, int,
     return callers
 
 
-def loop_multipliers(comps: dict[str, list[Instr]], entry: str) -> tuple[dict[str, int], dict[str, bool]]:
+def loop_multipliers(comps: dict[str, list[Instr]], entry: str, trip_of: Callable[[Instr], float | None] | None = None,
+                     gpu_conditions: bool = False) -> tuple[dict[str, float], dict[str, bool]]:
     """({computation: times it runs per program call}, {computation: whether a loop with an unknown
-    trip count, counted as 1, sits on some path from the entry to it})."""
-    callers = _call_graph(comps)
-    mult: dict[str, int] = {}
+    trip count, counted as 1, sits on some path from the entry to it}); `trip_of` and `gpu_conditions` as
+    in `_call_graph` (a loop `trip_of` gives a count for is not unknown)."""
+    callers = _call_graph(comps, trip_of, gpu_conditions)
+    mult: dict[str, float] = {}
     unknown: dict[str, bool] = {}
 
     def visit(name: str, stack: tuple[str, ...] = ()) -> None:

@@ -1,6 +1,6 @@
 """HLO module text -> the bytes a program moves: HBM traffic and collective bytes by link (pure Python).
 
-What the modeled time of a GPU plan divides by bandwidths (`plan.targets.modeled_time`):
+What a GPU plan's time estimate reads (`plan.kernel_cost`; each kernel's bytes come from `kernel_bytes`):
 
   memory       every kernel-level instruction (a fusion, custom call, copy, sort, ...; not the
                bookkeeping ops: parameter, tuple, get-tuple-element, bitcast, control flow) reads
@@ -37,20 +37,20 @@ from glm52_jax.plan.hlo import (
     shape_bytes,
 )
 
-_NO_TRAFFIC = frozenset({"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional",
+NOT_KERNELS = frozenset({"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional",
                          "call", "after-all", "partition-id", "replica-id", "async-start", "async-update",
                          "async-done", "opt-barrier", "add-dependency", "domain", "copy-start", "copy-done", "send",
                          "send-done", "recv", "recv-done", "fusion-done"})
 _SLICING = frozenset({"dynamic-slice", "slice", "gather"})
 _FUSIONS = frozenset({"fusion", "fusion-start"})
-_COLLECTIVE_STARTS = frozenset(f"{k}-start" for k in ("all-gather", "all-reduce", "collective-permute",
+COLLECTIVE_STARTS = frozenset(f"{k}-start" for k in ("all-gather", "all-reduce", "collective-permute",
                                                        "reduce-scatter", "all-to-all", "ragged-all-to-all"))
 _GROUPS_EXPLICIT = re.compile(r"\b(?:replica_groups|source_target_pairs)=\{((?:\{[0-9,]*\},?)*)\}")
 _GROUPS_IOTA = re.compile(r"\breplica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
 _GROUPS_MESH = re.compile(r"\breplica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 
 
-def _name(operand_text: str) -> str:
+def operand_name(operand_text: str) -> str:
     """The instruction name of an operand printed as `%name` or `f32[...]{...} %name`."""
     return operand_text.strip().split()[-1].lstrip("%") if operand_text.strip() else ""
 
@@ -107,14 +107,14 @@ def _fusion_access(instrs: list[Instr]) -> tuple[dict[int, float], float]:
     users: dict[str, list[Instr]] = {}
     for ins in instrs:
         for op in operands(ins):
-            users.setdefault(_name(op), []).append(ins)
+            users.setdefault(operand_name(op), []).append(ins)
     by_name = {ins.name: ins for ins in instrs}
 
     def reads(name: str) -> tuple[float, float] | None:
         """(bytes read, bytes of writes avoided) of value `name` when only sliced or updated in place."""
         read, avoided = 0.0, 0.0
         for user in users.get(name, []):
-            first = _name(operands(user)[0]) == name
+            first = operand_name(operands(user)[0]) == name
             if user.opcode == "bitcast":
                 inner = reads(user.name)
                 if inner is None:
@@ -123,7 +123,7 @@ def _fusion_access(instrs: list[Instr]) -> tuple[dict[int, float], float]:
             elif user.opcode in _SLICING and first:
                 read += shape_bytes(user.shape)
             elif user.opcode == "dynamic-update-slice" and first:
-                update = by_name.get(_name(operands(user)[1]))
+                update = by_name.get(operand_name(operands(user)[1]))
                 avoided += shape_bytes(user.shape) - (shape_bytes(update.shape) if update else 0.0)
             else:
                 return None
@@ -137,6 +137,21 @@ def _fusion_access(instrs: list[Instr]) -> tuple[dict[int, float], float]:
                 params[int(ins.operands)] = access[0]
                 avoided += access[1]
     return params, avoided
+
+
+def fusion_bodies(comps: dict[str, list[Instr]]) -> tuple[set[str], dict[str, tuple[dict[int, float], float]]]:
+    """(the computations that run inside a kernel: fusion bodies, reducers and what they call; {fusion body:
+    `_fusion_access` of it}) of a parsed module."""
+    inside: set[str] = set()
+    pending = [callee for instrs in comps.values() for ins in instrs
+               for role, callee in re.findall(r"\b(calls|to_apply)=%?([^\s,}]+)", ins.attrs)
+               if (ins.opcode in _FUSIONS and role == "calls") or (role == "to_apply" and ins.opcode != "call")]
+    while pending:
+        name = pending.pop()
+        if name in comps and name not in inside:
+            inside.add(name)
+            pending += [c for ins in comps[name] for c in re.findall(r"\b(?:calls|to_apply)=%?([^\s,}]+)", ins.attrs)]
+    return inside, {name: _fusion_access(comps[name]) for name in inside}
 
 
 def _tuple_elements(shape: str) -> list[str]:
@@ -153,13 +168,13 @@ def _tuple_elements(shape: str) -> list[str]:
     return out + ([cur.strip()] if cur.strip() else [])
 
 
-def _kernel_bytes(ins: Instr, shapes: dict[str, str], fusions: dict[str, tuple[dict[int, float], float]]) -> float:
+def kernel_bytes(ins: Instr, shapes: dict[str, str], fusions: dict[str, tuple[dict[int, float], float]]) -> float:
     """Bytes one execution of a kernel-level instruction reads and writes (a Pallas kernel's own count when its
     name carries one)."""
     if ins.opcode == "custom-call" and (declared := KERNEL_BYTES.search(ins.attrs)):
         return float(declared.group(1))
     ops = operands(ins)
-    sizes = [shape_bytes(o) if "[" in o.split("%")[0] else shape_bytes(shapes.get(_name(o), "")) for o in ops]
+    sizes = [shape_bytes(o) if "[" in o.split("%")[0] else shape_bytes(shapes.get(operand_name(o), "")) for o in ops]
     written = shape_bytes(ins.shape)
     if ins.opcode in _SLICING:
         return 2 * written + sum(sizes[1:])
@@ -183,16 +198,7 @@ def traffic(text: str, hosts: Sequence[int]) -> dict[str, Any]:
     if entry is None:
         raise ValueError("traffic: no ENTRY computation in the HLO text")
     mult, _ = loop_multipliers(comps, entry)
-    inside: set[str] = set()  # fusion bodies and reducers (and what they call): no kernels of their own
-    pending = [callee for instrs in comps.values() for ins in instrs
-               for role, callee in re.findall(r"\b(calls|to_apply)=%?([^\s,}]+)", ins.attrs)
-               if (ins.opcode in _FUSIONS and role == "calls") or (role == "to_apply" and ins.opcode != "call")]
-    while pending:
-        name = pending.pop()
-        if name in comps and name not in inside:
-            inside.add(name)
-            pending += [c for ins in comps[name] for c in re.findall(r"\b(?:calls|to_apply)=%?([^\s,}]+)", ins.attrs)]
-    fusions = {name: _fusion_access(comps[name]) for name in inside}
+    inside, fusions = fusion_bodies(comps)
     out = {"memory_bytes_executed": 0.0, "collective_bytes_executed_within_host": 0.0,
            "collective_bytes_executed_across_hosts": 0.0, "collectives_executed_within_host": 0,
            "collectives_executed_across_hosts": 0, "collectives_with_unknown_groups": 0}
@@ -205,12 +211,12 @@ def traffic(text: str, hosts: Sequence[int]) -> dict[str, Any]:
         for ins in instrs:
             if ins.opcode in COLLECTIVE_OPCODES:
                 # an async *-done carries no groups: its *-start (its operand) does
-                source = by_name.get(_name(operands(ins)[0])) if ins.opcode.endswith("-done") else ins
+                source = by_name.get(operand_name(operands(ins)[0])) if ins.opcode.endswith("-done") else ins
                 groups = collective_groups(source.attrs if source else "", len(hosts))
                 out["collectives_with_unknown_groups"] += groups is None
                 link = "across_hosts" if crosses_hosts(groups, hosts) else "within_host"
                 out[f"collective_bytes_executed_{link}"] += collective_bytes(ins, shapes) * times
                 out[f"collectives_executed_{link}"] += times  # an async pair once, at its -done
-            elif ins.opcode not in _NO_TRAFFIC and ins.opcode not in _COLLECTIVE_STARTS:
-                out["memory_bytes_executed"] += _kernel_bytes(ins, shapes, fusions) * times
+            elif ins.opcode not in NOT_KERNELS and ins.opcode not in COLLECTIVE_STARTS:
+                out["memory_bytes_executed"] += kernel_bytes(ins, shapes, fusions) * times
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +27,8 @@ FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expen
                     "xla_cpu_use_new_xtile_lowering": False}
 
 
-def _compile(lowered):
-    """`lowered.compile()` kept out of a persistent compilation cache: plan programs are compiled to
+def _compile(lowered, options: dict | None = None):
+    """`lowered.compile(options)` kept out of a persistent compilation cache: plan programs are compiled to
     be measured, never run (serializing them is wasted work, and XLA:CPU's executable serializer
     segfaulted on one of them in a test session that had the cache on)."""
     min_secs = jax.config.jax_persistent_cache_min_compile_time_secs
@@ -36,17 +36,19 @@ def _compile(lowered):
     # $GLM52_PLAN_DUMP=DIR: XLA writes each program's optimised HLO and buffer assignment there (what fills
     # the temporaries).
     dump = os.environ.get("GLM52_PLAN_DUMP")
-    options = {"xla_dump_to": dump, "xla_dump_hlo_as_text": True} if dump else None
+    options = {**(options or {}), **({"xla_dump_to": dump, "xla_dump_hlo_as_text": True} if dump else {})}
     try:
-        return lowered.compile(compiler_options=options)
+        return lowered.compile(compiler_options=options or None)
     finally:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", min_secs)
 
 
 def measure(program: Program, mesh, fast_compile: bool, target: str = "cpu",
-            xla_options: dict | None = None) -> dict[str, Any]:
+            xla_options: dict | None = None,
+            estimate: Callable[[str, Sequence[int]], dict[str, Any]] | None = None) -> dict[str, Any]:
     """{"memory", "flops", "collectives", "largest_collectives", "loops", "traffic", "seconds"} of
-    `program` compiled on `mesh` (see `report.NOTES` for what each number is).
+    `program` compiled on `mesh` (see `report.NOTES` for what each number is), and "time" =
+    `estimate(hlo_text, host of each partition)` when given (the per-kernel estimate of a GPU program).
 
     target: "cpu" compiles for the mesh's (virtual CPU) devices; "h20" / "h200" for the deviceless
     CUDA devices of `mesh` (`kernels.aot.topology`), traced as a GPU program (`aot.deviceless_lowering`:
@@ -97,6 +99,7 @@ def measure(program: Program, mesh, fast_compile: bool, target: str = "cpu",
         "loops": {"while_loops": hlo["while_loops"], "unknown_trip_count_loops": hlo["unknown_trip_count_loops"]},
         "traffic": traffic(text, _hosts(mesh)),
         "seconds": {"lower": round(t1 - t0, 2), "compile": round(t2 - t1, 2)},
+        **({"time": estimate(text, _hosts(mesh))} if estimate is not None else {}),
     }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -11,11 +12,13 @@ import jax.numpy as jnp
 
 from glm52_jax import choices
 from glm52_jax.model.kv_cache import slot_capacity
+from glm52_jax.model.loop_scopes import PASS_LOOP
 from glm52_jax.model.options import ModelOptions
 from glm52_jax.parallel.rules import axis_rules
-from glm52_jax.plan import targets
+from glm52_jax.plan import kernel_cost, loop_trips, targets
 from glm52_jax.plan.abstract import abstract_model, tree_bytes, ways
 from glm52_jax.plan.devices import check_device_count
+from glm52_jax.plan.efficiency import load_table
 from glm52_jax.plan.measure import measure
 from glm52_jax.plan.programs import BUILDERS, PlanSetup
 from glm52_jax.plan.report import PROGRAMS, assess, notes_for
@@ -44,7 +47,8 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
          capacity_multiple: int = 256, donate_cache: bool = False, adamw=None, fast_compile: bool = True,
          prefill_mode: str = "chunked", samples_per_request: int = 0, probe_tokens: int = 0,
          target: str = "cpu", topology: str | None = None, xla_options: dict | None = None,
-         base_fp8=None, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+         base_fp8=None, efficiency_table: str | None = None,
+         log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Lowers and compiles the run's programs on `mesh_spec` with abstract weights and inputs.
 
     model_cfg: `ModelConfig` (apply rope scaling beforehand, e.g. `with_env_rope_scaling()`).
@@ -65,7 +69,9 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
     target: "cpu" (the process's devices, normally virtual CPU ones; fits against `hbm_bytes`) or a GPU
       target of `plan.targets.GPU_TARGETS`: every program compiled deviceless for CUDA on `topology`
       ("HOSTSx1xGPUS"; default `targets.topology_for(mesh size)`), fits against the target's memory x
-      `targets.LAUNCHER_MEM_FRACTION`, and each program gets a modeled time (`targets.modeled_time`).
+      `targets.LAUNCHER_MEM_FRACTION`, and each program gets the per-kernel time estimate (`kernel_cost`, with
+      the efficiency table `efficiency_table` names, default the packaged one: `efficiency.load_table`) in three
+      scenarios, and the report the first candidate's (`first_candidate`).
     xla_options: XLA options the run sets (`parallel.xla_options`), given to every GPU compile; recorded in
       the report's target.
     base_fp8: the base weights' FP8 format on device (`checkpoint.hf_fp8.Fp8Config`: block and modules left
@@ -93,6 +99,9 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
         mesh = mesh_spec.make(jax.devices()[: mesh_spec.size])
     dtype = jnp.dtype(dtype)
     opts = dataclasses.replace(options or ModelOptions(), param_dtype=dtype, lora=lora)
+    table = load_table(efficiency_table) if gpu else None
+    # The DSA implementation the programs trace with ("auto" picks Pallas for a GPU target), for the loops' blocks.
+    resolved_kernels = "pallas" if gpu and opts.kernels in ("auto", "pallas") else "reference"
     adamw = adamw or AdamWConfig()
 
     with axis_rules(mesh_spec.rules()):
@@ -110,7 +119,7 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
         report = static_report(setup, mesh_spec, lora, dtype, base_fp8)
         report["issues"] = []
         report["notes"] = notes_for(target)
-        report["target"] = _target_record(target, topology if gpu else None, hbm_bytes)
+        report["target"] = _target_record(target, topology if gpu else None, hbm_bytes, table)
         report["target"]["xla_options"] = dict(xla_options or {}) if gpu else {}
         if gpu:
             report["mesh"]["platform"] = f"cuda (deviceless {target}, topology {topology})"
@@ -124,8 +133,12 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
             say(f"plan: lowering and compiling {name} ...")
             entry = {"what": program.what, "calls_per_transaction": program.calls,
                      "input_bytes_per_device": tree_bytes(program.args, per_device=True)}
+            estimate = None
+            if gpu:  # the per-kernel estimate, with this program's data-dependent loops at their real trip counts
+                trips = loop_trips.for_program(setup, name, resolved_kernels)
+                estimate = functools.partial(_estimate, table=table, target=target, trips=trips)
             try:
-                entry.update(measure(program, mesh, fast_compile, target, xla_options))
+                entry.update(measure(program, mesh, fast_compile, target, xla_options, estimate))
             except Exception as err:  # XLA's JaxRuntimeError; a kernel too large for the target is the user's to fix
                 from glm52_jax.kernels import aot
 
@@ -141,29 +154,49 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
             fl["flops_executed_grouped_gemm_estimate"] = (
                 fl["flops_executed"] - fl["ragged_dot_flops_executed"] * (1 - 1 / model_cfg.n_routed_experts))
             fl["indexer_flops_analytic"] = program_indexer_flops(setup, name)
-            # Left out for the CPU target: XLA:CPU's FLOPs and buffers are not a GPU's.
-            entry["time"] = targets.modeled_time(entry, targets.SPEEDS[target]) if gpu else None
+            # Left out for the CPU target: XLA:CPU's kernels and buffers are not a GPU's.
+            entry.setdefault("time", None)
             mem = entry["memory"]
             say(f"plan: {name}: total {mem['total_bytes'] / 1e9:.2f} GB/device, "
                 f"compile {entry['seconds']['compile']} s"
-                + (f", modeled {entry['time']['modeled_s']:.4g} s" if gpu else ""))
+                + (f", modeled {entry['time']['central_s']:.4g} s per call (central; "
+                   f"{entry['time']['optimistic_s']:.4g}-{entry['time']['pessimistic_s']:.4g})" if gpu else ""))
             report["programs"][name] = entry
     if not report["programs"]:
         raise ValueError(f"plan: none of the programs {programs} runs in this configuration (the probe's need "
                          "search.probe_tokens > 0)")
+    if gpu:
+        report["first_candidate_s"] = first_candidate(report["programs"])
+        report["model_version"] = table.version
     assess(report, report["target"]["budget_bytes"])
     return report
 
 
-def _target_record(target: str, topology: str | None, hbm_bytes: float) -> dict[str, Any]:
-    """What the plan was compiled for and judged against (the report's "target")."""
+def _estimate(text: str, hosts, *, table, target: str, trips: dict[str, Any]) -> dict[str, Any]:
+    """`kernel_cost.estimate_program` of one compiled program, with its loop trip counts' detail."""
+    program = kernel_cost.Program(text, hosts)
+    return {**kernel_cost.estimate_program(program, table, target, trips["trips"], PASS_LOOP),
+            "loop_trips": trips["detail"]}
+
+
+def first_candidate(programs: dict[str, Any]) -> dict[str, float] | None:
+    """{optimistic, central, pessimistic} seconds of the first candidate as the seed timed it: the prefill of the
+    whole prompt (every call of the prefill program) and one decode call. None without both programs."""
+    prefill, decode = programs.get("prefill"), programs.get("decode")
+    if not (prefill and decode and prefill.get("time") and decode.get("time")):
+        return None
+    return {s: prefill["time"][f"{s}_s"] * prefill["calls_per_transaction"] + decode["time"][f"{s}_s"]
+            for s in ("optimistic", "central", "pessimistic")}
+
+
+def _target_record(target: str, topology: str | None, hbm_bytes: float, table) -> dict[str, Any]:
+    """What the plan was compiled for and judged against (the report's "target"): a GPU's memory as the
+    efficiency table gives it (measured where it was), and the table's entries for the target."""
     if target not in targets.GPU_TARGETS:
         return {"name": target, "topology": None, "device_memory_bytes": float(hbm_bytes), "memory_fraction": 1.0,
-                "budget_bytes": targets.budget_bytes(target, hbm_bytes, None), "speeds": None}
-    from glm52_jax.kernels import aot
-
-    device_memory = aot.device_memory_bytes(target)
+                "budget_bytes": targets.budget_bytes(target, hbm_bytes, None), "efficiency": None}
+    device_memory = table.device_memory_bytes(target)
     return {"name": target, "topology": topology, "device_memory_bytes": device_memory,
             "memory_fraction": targets.LAUNCHER_MEM_FRACTION,
             "budget_bytes": targets.budget_bytes(target, hbm_bytes, device_memory),
-            "speeds": targets.speeds_record(target)}
+            "efficiency": table.record(target)}

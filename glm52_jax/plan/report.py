@@ -9,7 +9,7 @@ from typing import Any
 from glm52_jax import choices
 from glm52_jax.parallel.xla_options import as_flags
 from glm52_jax.plan.hlo import COLLECTIVE_KINDS
-from glm52_jax.plan.targets import GPU_TARGETS, MODEL_NOTES
+from glm52_jax.plan.targets import ESTIMATE_NOTES, GPU_TARGETS
 
 PROGRAMS = choices.PLAN_PROGRAMS  # what `plan` can compile
 # What a GRPO transaction runs; "forward" is a reference.
@@ -48,7 +48,7 @@ def notes_for(target: str) -> list[str]:
         "GPU target: compiled deviceless by XLA:GPU (no autotuning: default GEMM tiles); xla_flops is 0 there "
         "(cost_analysis() returns None deviceless: use flops_executed); XLA:GPU also lowers lax.ragged_dot densely "
         "(../shared/research/gpu_aot/README.md section 4), so the ragged_dot note holds",
-        *MODEL_NOTES]
+        *ESTIMATE_NOTES]
 
 
 def assess(report: dict[str, Any], hbm_bytes: float) -> dict[str, Any]:
@@ -151,24 +151,32 @@ def format_plan(report: dict[str, Any]) -> str:
 
 
 def _time_lines(report: dict[str, Any]) -> list[str]:
-    """The modeled-time table of a GPU plan (none for the CPU target, which models no time)."""
+    """The estimated-time table of a GPU plan (none for the CPU target, which models no time): per call, the
+    three scenarios and where the central one goes."""
     timed = {n: p for n, p in report["programs"].items() if p.get("time")}
     if not timed:
         return []
     target = report["target"]
-    lines = ["", f"modeled time per call on {target['name']} (topology {target['topology']}): "
-                 f"{target['speeds']['source']}; modeled = max(compute, memory) + communication, no overlap",
-             f"{'program':<13} {'TFLOP':>10} {'HBM GB':>10} {'NVLink GB':>10} {'net GB':>10} {'compute s':>10} "
-             f"{'memory s':>10} {'comm s':>10} {'modeled s':>10} {'calls':>6}"]
+    eff = target.get("efficiency") or {}
+    lines = ["", f"modeled time per call on {target['name']} (topology {target['topology']}; per-kernel estimate, "
+                 f"efficiency table {eff.get('version', report.get('model_version'))}): central (optimistic - "
+                 "pessimistic), and the central's largest parts",
+             f"{'program':<13} {'central s':>10} {'optim. s':>10} {'pessim. s':>10} {'launches':>11} "
+             f"{'calls':>6}  largest parts (central s)"]
     for name, p in timed.items():
-        t, tr = p["time"], p["traffic"]
-        cells = (p["flops"]["flops_executed"] / 1e12, tr["memory_bytes_executed"] / 1e9,
-                 tr["collective_bytes_executed_within_host"] / 1e9, tr["collective_bytes_executed_across_hosts"] / 1e9,
-                 t["compute_s"], t["memory_s"], t["communication_s"], t["modeled_s"])
-        lines.append(f"{name:<13} " + " ".join(f"{c:10.4g}" for c in cells) + f" {p['calls_per_transaction']:6d}")
-    lines.append(f"budget per device: {target['device_memory_bytes'] / 2**30:.2f} GiB "
-                 f"x {target['memory_fraction']:.2f} "
-                 f"(XLA_PYTHON_CLIENT_MEM_FRACTION of launch/run_node.sh) = {target['budget_bytes'] / 1e9:.2f} GB")
+        t = p["time"]
+        parts = {**{k: v["seconds"] for k, v in t["breakdown"]["classes"].items()},
+                 **{k: v["seconds"] for k, v in t["breakdown"]["collectives"].items()}}
+        top = ", ".join(f"{k} {v:.3g}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])[:4])
+        lines.append(f"{name:<13} {t['central_s']:10.4g} {t['optimistic_s']:10.4g} {t['pessimistic_s']:10.4g} "
+                     f"{t['launches']:11,.0f} {p['calls_per_transaction']:6d}  {top}")
+    first = report.get("first_candidate_s")
+    if first:
+        lines.append(f"first candidate (every prefill call + one decode call), modeled: central "
+                     f"{first['central']:.4g} s (optimistic {first['optimistic']:.4g} s, "
+                     f"pessimistic {first['pessimistic']:.4g} s)")
+    lines.append(f"budget per device: {target['device_memory_bytes'] / 1e9:.2f} GB x {target['memory_fraction']:.2f} "
+                 f"(XLA_PYTHON_CLIENT_MEM_FRACTION, set by the launcher) = {target['budget_bytes'] / 1e9:.2f} GB")
     if target.get("xla_options"):
         lines.append("XLA options of the run (model.moe_cross_host): " + " ".join(as_flags(target["xla_options"])))
     return lines

@@ -1,69 +1,37 @@
-"""Where plan mode compiles (`plan.target`), the GPU topology it compiles for, and the speeds its
-modeled time assumes. Imports no JAX (launch.py checks the target before JAX starts).
+"""Where plan mode compiles (`plan.target`), the GPU topology it compiles for, and the memory budget it judges
+against. Imports no JAX (launch.py checks the target before JAX starts).
 
-Targets: "cpu" compiles for virtual CPU devices (XLA:CPU; no modeled time: its buffers and FLOPs are
-not a GPU's); "h20" / "h200" compile deviceless for CUDA with XLA's GPU compiler
-(`kernels.aot`, the `gpu-aot` extra) and model each program's time from the speeds below.
+Targets: "cpu" compiles for virtual CPU devices (XLA:CPU; no time estimate: its kernels and buffers are
+not a GPU's); "h20" / "h200" compile deviceless for CUDA with XLA's GPU compiler (`kernels.aot`, the `gpu-aot`
+extra) and estimate each program's time per kernel (`kernel_cost`, with the rates of `efficiency`).
 """
 
 from __future__ import annotations
-
-import dataclasses
-from typing import Any
 
 from glm52_jax import choices
 
 TARGETS = choices.PLAN_TARGETS
 GPU_TARGETS = tuple(t for t in TARGETS if t != "cpu")
 GPUS_PER_HOST = 8  # an HGX node
-# launch/run_node.sh exports XLA_PYTHON_CLIENT_MEM_FRACTION=0.90 (unless set): the share of each GPU's
-# memory JAX preallocates, so the most any program may hold per device.
+# The launcher sets XLA_PYTHON_CLIENT_MEM_FRACTION to this (unless set; launch/run_node.sh too): the share of each
+# GPU's memory JAX preallocates, so the most any program may hold per device.
 LAUNCHER_MEM_FRACTION = 0.90
 
 
-@dataclasses.dataclass(frozen=True)
-class Speeds:
-    """Peak rates of one GPU of a target; every modeled time is bytes or FLOPs over one of these."""
-
-    flops_per_s: float  # dense bf16 tensor-core peak
-    hbm_bytes_per_s: float
-    nvlink_bytes_per_s: float  # NVLink 4, per GPU and direction (900 GB/s bidirectional)
-    network_bytes_per_s: float  # inter-host, per GPU: the host's NICs shared by its GPUS_PER_HOST GPUs
-    source: str
-    # Fixed cost of one collective (launch + synchronisation), whatever its size: what a step of many small
-    # collectives (a decode step's tensor-parallel projections) pays. Assumed, typical NCCL small-message figures.
-    nvlink_latency_s: float = 10e-6
-    network_latency_s: float = 30e-6
-
-
-# ../shared/research/performance_rooflines.md §1 (H20: 148 TFLOPS bf16 dense, 4.0 TB/s; H200: 989.5 TFLOPS,
-# 4.8 TB/s; NVLink 900 GB/s bidirectional on both). The H20 cluster's network is not known: 4 x 400 Gb/s
-# per host is assumed (25 GB/s per GPU); the H200's 8 x 400 Gb/s per host (one NIC per GPU, 50 GB/s).
-SPEEDS = {
-    "h20": Speeds(148e12, 4.0e12, 450e9, 4 * 400e9 / 8 / GPUS_PER_HOST,
-                  "H20: 148 TFLOPS bf16 dense, HBM 4.0 TB/s, NVLink 450 GB/s per direction, inter-host "
-                  "4 x 400 Gb/s per host (assumed) = 25 GB/s per GPU; 10 / 30 us per collective within / across "
-                  "hosts (assumed)"),
-    "h200": Speeds(989.5e12, 4.8e12, 450e9, 8 * 400e9 / 8 / GPUS_PER_HOST,
-                   "H200: 989.5 TFLOPS bf16 dense, HBM 4.8 TB/s, NVLink 450 GB/s per direction, inter-host "
-                   "8 x 400 Gb/s per host (assumed) = 50 GB/s per GPU; 10 / 30 us per collective within / across "
-                   "hosts (assumed)"),
-}
-
-MODEL_NOTES = (
-    "modeled time per program call (GPU targets): compute = (flops_executed + indexer_flops_analytic) / bf16 "
-    "peak; memory = memory_bytes_executed / HBM bandwidth; communication = collective bytes within a host / NVLink "
-    "+ collective bytes across hosts / the per-GPU inter-host rate + a fixed latency per collective executed (by "
-    "link); modeled = max(compute, memory) + communication (no overlap of communication with work assumed)",
+ESTIMATE_NOTES = (
+    "time (GPU targets): the per-kernel estimate of plan/kernel_cost.py with the efficiency table named in "
+    "target.efficiency: every kernel the program launches costs max(FLOPs / (peak x its class's fraction), bytes / "
+    "(HBM x its fraction), the launch floor) per execution, times its executions (known trip counts, and the trip "
+    "counts plan/loop_trips.py derives from the model's block rules for its data-dependent loops, on the busiest "
+    "device); + a host sync per data-dependent iteration; + collectives by kind and link (hierarchical all-gather / "
+    "reduce-scatter / all-reduce, all-to-all by its cross-host share) at an achieved fraction of line rate plus a "
+    "latency each; nothing overlapped. Three scenarios (optimistic / central / pessimistic) take each entry's "
+    "value of that name; the EP exchange's passes are a stated parameter of each scenario",
+    "first_candidate_s: every call of the prefill program (the whole prompt) + one decode call, per scenario: the "
+    "seed's first candidate",
     "memory_bytes_executed: every kernel (fusion, custom call, copy, ...) reads its operands and writes its result "
     "once (a fusion parameter read only through slices counts the slices; an in-place dynamic-update-slice counts "
     "the update), times known trip counts; collectives are not in it",
-    "collective bytes are result-shape bytes (see above), all taken over the slower link a collective's groups "
-    "span: an upper bound for a ring all-gather, whose per-device traffic is (n-1)/n of it",
-    "FLOPs inside Pallas kernels (custom calls) are in flops_executed only where the kernel declares them in its "
-    "name (sparse MLA, grouped matmul); the DSA indexer's scores sit in data-dependent key loops (counted once by "
-    "the HLO): indexer_flops_analytic adds them per program (the program's query / visible-key pairs x "
-    "2 * index heads * index head dim per 'full' layer, split evenly over the sequence shards)",
 )
 
 
@@ -101,26 +69,21 @@ def check_target(target: str) -> None:
             raise ConfigError(message)
 
 
+def check_efficiency_table(path: str, target: str) -> None:
+    """Raises `ConfigError` (before any compile) when a GPU plan's efficiency table (`plan.efficiency_table`;
+    "" = the packaged one) is missing, malformed or has no entry for `target`."""
+    from glm52_jax.plan.efficiency import TableError, load_table
+    from glm52_jax.run_config import ConfigError
+
+    if target not in GPU_TARGETS:
+        return
+    try:
+        load_table(path or None).rates(target)
+    except (TableError, ValueError) as err:
+        raise ConfigError(f"--config.plan.efficiency_table={path or '(packaged)'}: {err}") from None
+
+
 def budget_bytes(target: str, hbm_bytes: float, device_memory: int | None) -> float:
     """Per-device bytes a program may hold: a GPU target's memory times LAUNCHER_MEM_FRACTION, else
     `hbm_bytes` (`plan.hbm_gib`) for the CPU plan."""
     return device_memory * LAUNCHER_MEM_FRACTION if target in GPU_TARGETS else float(hbm_bytes)
-
-
-def modeled_time(entry: dict[str, Any], speeds: Speeds) -> dict[str, float]:
-    """{compute_s, memory_s, communication_s, modeled_s} of one program call from its measured entry."""
-    traffic = entry["traffic"]
-    flops = entry["flops"]["flops_executed"] + entry["flops"].get("indexer_flops_analytic", 0.0)
-    compute = flops / speeds.flops_per_s
-    memory = traffic["memory_bytes_executed"] / speeds.hbm_bytes_per_s
-    communication = (traffic["collective_bytes_executed_within_host"] / speeds.nvlink_bytes_per_s
-                      + traffic["collective_bytes_executed_across_hosts"] / speeds.network_bytes_per_s
-                      + traffic.get("collectives_executed_within_host", 0) * speeds.nvlink_latency_s
-                      + traffic.get("collectives_executed_across_hosts", 0) * speeds.network_latency_s)
-    return {"compute_s": compute, "memory_s": memory, "communication_s": communication,
-            "modeled_s": max(compute, memory) + communication}
-
-
-def speeds_record(target: str) -> dict[str, Any]:
-    """The assumed speeds as the report lists them."""
-    return dataclasses.asdict(SPEEDS[target])
