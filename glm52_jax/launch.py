@@ -163,12 +163,27 @@ def _plan(spec) -> dict:
                   options=model_options(spec.model), xla_options=cross_host_options(spec.model.moe_cross_host),
                   base_fp8=base_fp8(spec.model), efficiency_table=spec.plan.efficiency_table or None, log=_log)
     report["model_source"] = source
+    report["made_at"] = checkout_record()
     _log(format_plan(report))
     if FLAGS.workdir:
         save_plan(report, Path(FLAGS.workdir), _log)
     timing = {k: report[k] for k in ("first_candidate_s", "model_version") if k in report}
     return {k: report[k] for k in ("fits", "largest_program", "largest_total_bytes", "hbm_bytes")} | \
         {"mesh": report["mesh"]["describe"], "target": spec.plan.target} | timing
+
+
+def checkout_record() -> dict:
+    """The project commit a report was made at (and whether the checkout had uncommitted changes), and the date."""
+    import subprocess
+
+    def git(*args: str) -> str | None:
+        run = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=False)
+        return run.stdout.strip() if run.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "uncommitted_changes": bool(dirty) if dirty is not None else None,
+            "date": time.strftime("%Y-%m-%d", time.gmtime())}
 
 
 def save_plan(report: dict, workdir: Path, log) -> None:

@@ -154,6 +154,8 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
             fl["flops_executed_grouped_gemm_estimate"] = (
                 fl["flops_executed"] - fl["ragged_dot_flops_executed"] * (1 - 1 / model_cfg.n_routed_experts))
             fl["indexer_flops_analytic"] = program_indexer_flops(setup, name)
+            for problem in (entry.get("time") or {}).get("loop_check", []):
+                report["issues"].append(f"{name}: data-dependent loop trip counts may be off: {problem}")
             # Left out for the CPU target: XLA:CPU's kernels and buffers are not a GPU's.
             entry.setdefault("time", None)
             mem = entry["memory"]
@@ -173,10 +175,28 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
 
 
 def _estimate(text: str, hosts, *, table, target: str, trips: dict[str, Any]) -> dict[str, Any]:
-    """`kernel_cost.estimate_program` of one compiled program, with its loop trip counts' detail."""
+    """`kernel_cost.estimate_program` of one compiled program, with its loop trip counts' detail and a check that
+    the compiled loops match the replayed ones (`loop_check`)."""
     program = kernel_cost.Program(text, hosts)
-    return {**kernel_cost.estimate_program(program, table, target, trips["trips"], PASS_LOOP),
-            "loop_trips": trips["detail"]}
+    out = kernel_cost.estimate_program(program, table, target, trips["trips"], PASS_LOOP)
+    return {**out, "loop_trips": trips["detail"], "loop_check": loop_check(out["loops"], trips["detail"])}
+
+
+def loop_check(loops: list[dict[str, Any]], detail: dict[str, Any]) -> list[str]:
+    """Mismatches between the compiled program's data-dependent loops and `loop_trips`' replay of them: a scope
+    the replay gave trips but the program lacks, or executions that are not a whole multiple of the replay's
+    (a layer stack runs each loop once per layer, and rematerialisation may run it again). Empty when they agree."""
+    compiled: dict[str, float] = {}
+    for loop in loops:
+        if loop["scope"] is not None:
+            compiled[loop["scope"]] = compiled.get(loop["scope"], 0.0) + loop["executions"]
+    problems = []
+    for scope, d in detail.items():
+        runs = compiled.get(scope)
+        ratio = runs / d["executions"] if runs and d["executions"] else None
+        if ratio is None or abs(ratio - round(ratio)) > 1e-6 * max(ratio, 1.0) or round(ratio) < 1:
+            problems.append(f"{scope}: the program runs it {runs or 0:g} times, the replay {d['executions']:g}")
+    return problems
 
 
 def first_candidate(programs: dict[str, Any]) -> dict[str, float] | None:
