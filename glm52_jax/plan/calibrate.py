@@ -84,7 +84,8 @@ def time_probe(probe, reps: int = 5) -> dict[str, Any]:
     jax.block_until_ready(jitted(*args))
     first = time.perf_counter() - start
     times = []
-    for _ in range(reps if first < 2 else 2):
+    spent = time.perf_counter()
+    while len(times) < 3 or (len(times) < reps and time.perf_counter() - spent < 3.0):  # >= 3 runs, <= 3 s more
         start = time.perf_counter()
         jax.block_until_ready(jitted(*args))
         times.append(time.perf_counter() - start)

@@ -50,6 +50,7 @@ _PALLAS_CLASSES = ("dsa_index_scores", "dsa_topk_select", "sparse_mla_forward", 
                    "sparse_mla_segment_sum", "grouped_matmul")
 _GEMM_OPS = frozenset({"dot", "convolution"})
 _CALLS = re.compile(r"\b(?:calls|to_apply)=%?([^\s,}]+)")
+_CALLEE_ROLES = re.compile(r"\b(condition|body|calls|to_apply|true_computation|false_computation)=%?([^\s,}]+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,7 @@ class Kernel:
     flops: float
     bytes: float
     executions: float
+    loop: str | None = None  # the scope of the innermost data-dependent loop it runs in (None: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +110,7 @@ class Program:
             return trips[scope] if scope is not None else None
 
         mult, _ = loop_multipliers(self.comps, self.entry, trip_of, gpu_conditions=True)
+        loop_of = self._loop_scopes()
         kernels, colls, loops = [], [], []
         for comp, instrs in self.comps.items():
             times = mult.get(comp, 0)
@@ -125,8 +128,30 @@ class Program:
                     colls.append(Collective(COLLECTIVE_OPCODES[ins.opcode], collective_bytes(ins, shapes), times, n, h))
                 elif ins.opcode not in NOT_KERNELS and ins.opcode not in COLLECTIVE_STARTS:
                     kernels.append(Kernel(ins.name, self._kind(ins), self._flops(ins, shapes),
-                                          kernel_bytes(ins, shapes, self.fusions), times))
+                                          kernel_bytes(ins, shapes, self.fusions), times, loop_of.get(comp)))
         return Work(tuple(kernels), tuple(colls), tuple(loops))
+
+    def _loop_scopes(self) -> dict[str, str]:
+        """{computation: the scope of the innermost data-dependent loop whose body or condition reaches it}."""
+        found: dict[str, str] = {}
+
+        def mark(comp: str, scope: str, seen: set[str]) -> None:
+            if comp in seen or comp in self.inside or comp not in self.comps:
+                return
+            seen.add(comp)
+            found[comp] = scope
+            for ins in self.comps[comp]:
+                inner = _scope(ins, None) if ins.opcode == "while" and '"known_trip_count"' not in ins.attrs else None
+                for role, callee in _CALLEE_ROLES.findall(ins.attrs):
+                    mark(callee, (inner or scope) if role in ("body", "condition") else scope, seen)
+
+        for instrs in self.comps.values():
+            for ins in instrs:
+                if ins.opcode == "while" and '"known_trip_count"' not in ins.attrs and (scope := _scope(ins, None)):
+                    for role, callee in _CALLEE_ROLES.findall(ins.attrs):
+                        if role in ("body", "condition") and callee not in found:
+                            mark(callee, scope, set())
+        return found
 
     def _group_shape(self, attrs: str) -> tuple[int, int]:
         """(GPUs in a group, hosts it spans) of a collective (unknown groups: every partition)."""
@@ -240,8 +265,12 @@ def collective_seconds(c: Collective, rates: Rates) -> tuple[float, float, float
 def estimate(work: Work, rates: Rates) -> dict[str, Any]:
     """Seconds of one program call in one scenario, with where they go (`classes`, `collectives`)."""
     classes: dict[str, dict[str, float]] = {}
+    in_loops: dict[str, dict[str, float]] = {}
     for k in work.kernels:
         seconds, bound = kernel_seconds(k, rates)
+        if k.loop is not None:
+            by_class = in_loops.setdefault(k.loop, {})
+            by_class[k.kind] = by_class.get(k.kind, 0.0) + seconds * k.executions
         row = classes.setdefault(k.kind, {"seconds": 0.0, "launches": 0.0, "flops": 0.0, "bytes": 0.0,
                                           "compute_bound_s": 0.0, "memory_bound_s": 0.0, "launch_bound_s": 0.0})
         row["seconds"] += seconds * k.executions
@@ -262,7 +291,7 @@ def estimate(work: Work, rates: Rates) -> dict[str, Any]:
     coll_s = sum(r["seconds"] for r in colls.values())
     return {"seconds": kernel_s + coll_s + syncs * rates.sync_s, "kernel_s": kernel_s, "collective_s": coll_s,
             "sync_s": syncs * rates.sync_s, "launches": sum(r["launches"] for r in classes.values()),
-            "syncs": syncs, "classes": classes, "collectives": colls}
+            "syncs": syncs, "classes": classes, "collectives": colls, "in_loops": in_loops}
 
 
 def estimate_program(program: Program, table: Table, target: str, trips: Mapping[str, float],
@@ -285,7 +314,7 @@ def estimate_program(program: Program, table: Table, target: str, trips: Mapping
             out.update(launches=result["launches"], syncs=result["syncs"],
                        breakdown={"kernel_s": result["kernel_s"], "collective_s": result["collective_s"],
                                   "sync_s": result["sync_s"], "classes": result["classes"],
-                                  "collectives": result["collectives"]},
+                                  "collectives": result["collectives"], "in_loops": result["in_loops"]},
                        loops=[dataclasses.asdict(loop) for loop in _merge_loops(work.loops)],
                        unresolved_loops=sum(1 for loop in work.loops if loop.trips is None))
     return out

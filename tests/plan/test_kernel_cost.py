@@ -162,3 +162,11 @@ def test_pallas_kernels_are_their_own_class():
     assert (kernels["s"].kind, kernels["s"].flops, kernels["s"].bytes) == ("sparse_mla_forward", 1000, 64)
     fast = dataclasses.replace(RATES, launch_floor_s=0.0)
     assert kernel_cost.kernel_seconds(kernels["s"], fast) == (pytest.approx(1000 / 5e11), "compute")
+
+
+def test_kernels_know_the_data_dependent_loop_they_run_in():
+    work = kernel_cost.Program(MODULE, HOSTS).work({CAUSAL_KEY_LOOP: 10})
+    loops = {k.name: k.loop for k in work.kernels}
+    assert loops == {"v2": CAUSAL_KEY_LOOP, "k": CAUSAL_KEY_LOOP, "r": None}
+    out = kernel_cost.estimate(work, RATES)
+    assert out["in_loops"] == {CAUSAL_KEY_LOOP: {"memory": pytest.approx(21e-6)}}
