@@ -56,8 +56,9 @@ def report_tables(report: dict[str, Any], name: str) -> str:
                      f"{'yes' if p['fits'] else 'NO'} | {band} | {t.get('launches', 0):,.0f} |")
     first = report.get("first_candidate_s")
     if first:
-        lines += ["", f"Modeled first candidate (every prefill call + one decode call): **central {first['central']:.0f} s**"
-                      f" (optimistic {first['optimistic']:.0f} s, pessimistic {first['pessimistic']:.0f} s)."]
+        lines += ["", "Modeled first candidate (every prefill call + one decode call): "
+                      f"**central {first['central']:.0f} s** (optimistic {first['optimistic']:.0f} s, "
+                      f"pessimistic {first['pessimistic']:.0f} s)."]
         prefill, decode = report["programs"]["prefill"], report["programs"]["decode"]
         split = {k: v * prefill["calls_per_transaction"] for k, v in parts(prefill["time"]).items()}
         for k, v in parts(decode["time"]).items():
