@@ -152,6 +152,7 @@ def _plan(spec) -> dict:
     from glm52_jax.rl.inputs import base_fp8, check_capacity, model_config
     from glm52_jax.rl.settings import lora_config, model_options
 
+    made_at = checkout_record()  # the code being planned: read before the (minutes of) compiles
     cfg, _, scaling_source, source = model_config(spec.model, preset_without_checkpoint=True)
     check_capacity(cfg, spec, scaling_source)
     s = spec.sampling
@@ -163,7 +164,7 @@ def _plan(spec) -> dict:
                   options=model_options(spec.model), xla_options=cross_host_options(spec.model.moe_cross_host),
                   base_fp8=base_fp8(spec.model), efficiency_table=spec.plan.efficiency_table or None, log=_log)
     report["model_source"] = source
-    report["made_at"] = checkout_record()
+    report["made_at"] = made_at
     _log(format_plan(report))
     if FLAGS.workdir:
         save_plan(report, Path(FLAGS.workdir), _log)

@@ -150,12 +150,21 @@ def _probe_by_name(name: str, meta: dict[str, Any]):
     raise ValueError(f"calibrate: unknown probe {name!r}")
 
 
-def estimate_probe(probe, table: Table, target: str) -> dict[str, Any]:
-    """The three-scenario estimate of a probe (`estimate.estimate_jitted`)."""
-    from glm52_jax.plan.estimate import estimate_jitted
+_COMPILED: dict[tuple[str, str, str], Any] = {}  # (probe, its shapes, target) -> kernel_cost.Program
 
-    fn, args = probe.abstract()
-    return estimate_jitted(fn, *args, target=target, trips=probe.trips, table=table)
+
+def estimate_probe(probe, table: Table, target: str) -> dict[str, Any]:
+    """The three-scenario estimate of a probe (`estimate.compile_program` once per probe and target, then
+    `kernel_cost.estimate_program` with `table`: fitting and comparing re-estimate without recompiling)."""
+    from glm52_jax.model.loop_scopes import PASS_LOOP
+    from glm52_jax.plan import kernel_cost
+    from glm52_jax.plan.estimate import compile_program
+
+    key = (probe.name, json.dumps(probe.meta, sort_keys=True, default=str), target)
+    if key not in _COMPILED:
+        fn, args = probe.abstract()
+        _COMPILED[key] = compile_program(fn, *args, target=target)
+    return kernel_cost.estimate_program(_COMPILED[key], table, target, probe.trips, PASS_LOOP)
 
 
 def fit_fraction(fraction: float, class_s: float, other_s: float, measured_s: float) -> float | None:

@@ -30,20 +30,28 @@ KERNELS = ("reference", "pallas")
 def estimate_jitted(fn, *abstract_args, target: str = "h200", trips: dict[str, float] | None = None,
                     table: Table | None = None) -> dict[str, Any]:
     """The three-scenario estimate of `jax.jit(fn)(*abstract_args)` (ShapeDtypeStructs, pytrees allowed)
-    compiled for one GPU of `target`: deviceless (`aot`: traced as a GPU program, so kernels="auto" and the
-    Pallas kernels compile for the GPU), or for this process's own GPU when it has one (a calibration run on
-    a lent GPU, whose kind the table names `target`). `trips`: trips per execution of its data-dependent loops
-    by name scope (`loop_trips`; none known: each counted once)."""
+    compiled for one GPU of `target` (`compile_program`). `trips`: trips per execution of its data-dependent
+    loops by name scope (`loop_trips`; none known: each counted once)."""
+    from glm52_jax.model.loop_scopes import PASS_LOOP
+    from glm52_jax.plan import kernel_cost
+
+    program = compile_program(fn, *abstract_args, target=target)
+    return kernel_cost.estimate_program(program, table or load_table(), target, trips or {}, PASS_LOOP)
+
+
+def compile_program(fn, *abstract_args, target: str = "h200"):
+    """`jax.jit(fn)` on `abstract_args` compiled for one GPU, parsed (`kernel_cost.Program`): deviceless for
+    `target` (`aot`: traced as a GPU program, so kernels="auto" and the Pallas kernels compile for the GPU), or
+    for this process's own GPU when it has one (a calibration run on a lent GPU, whose kind the table names
+    `target`)."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from glm52_jax.kernels import aot
-    from glm52_jax.model.loop_scopes import PASS_LOOP
     from glm52_jax.plan import kernel_cost
     from glm52_jax.plan.measure import _compile
 
-    table = table or load_table()
     local = jax.default_backend() == "gpu"
     devices = jax.devices()[:1] if local else aot.topology(target, "1x1x1").devices
     mesh = jax.sharding.Mesh(devices, ("x",))
@@ -54,8 +62,7 @@ def estimate_jitted(fn, *abstract_args, target: str = "h200", trips: dict[str, f
         lowered = jax.jit(fn).lower(*args)
     with contextlib.nullcontext() if local else aot.deviceless_lowering(target):
         compiled = _compile(lowered, None if local else aot.compiler_options())
-    program = kernel_cost.Program(compiled.as_text(), [0])
-    return kernel_cost.estimate_program(program, table, target, trips or {}, PASS_LOOP)
+    return kernel_cost.Program(compiled.as_text(), [0])
 
 
 def estimate_forward(cfg, tokens: int, target: str = "h200", kernels: str = "reference", table: Table | None = None,

@@ -61,14 +61,19 @@ def test_the_forward_is_launch_bound_as_measured(estimates):
 
 
 def test_the_cli_prints_the_estimate_as_its_last_line(tmp_path):
+    """The CLI on a one-layer cut of the bench config (a cheaper compile; the 4K-64K checks above are the
+    function it prints): the last line is the JSON summary, the same as `estimate_forward`'s."""
+    hf = dict(ROWS["forward_reference_4096"]["meta"]["hf_config"], num_hidden_layers=1, indexer_types=["full"],
+              mlp_layer_types=["dense"])
     config = tmp_path / "config.json"
-    config.write_text(json.dumps(ROWS["forward_reference_4096"]["meta"]["hf_config"]))
-    run = subprocess.run([sys.executable, "-m", "glm52_jax.plan.estimate", f"--hf_config={config}", "--tokens=4096",
+    config.write_text(json.dumps(hf))
+    run = subprocess.run([sys.executable, "-m", "glm52_jax.plan.estimate", f"--hf_config={config}", "--tokens=2048",
                           "--target=h200", "--kernels=reference"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     last = json.loads(run.stdout.strip().splitlines()[-1])
     assert {"optimistic_s", "central_s", "pessimistic_s", "launches", "model_version"} <= set(last)
-    assert last["central_s"] == pytest.approx(ROWS["forward_reference_4096"]["median_s"], rel=0.30)
+    assert 0 < last["optimistic_s"] < last["central_s"] < last["pessimistic_s"]
+    assert last["launches"] > 2048 // 128  # at least one key-loop body per query block
     bad = subprocess.run([sys.executable, "-m", "glm52_jax.plan.estimate", f"--hf_config={tmp_path / 'none.json'}",
                           "--tokens=4096"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
