@@ -86,8 +86,8 @@ def model():
     return _random_model(seed=0)
 
 
-@pytest.fixture(scope="module")
-def fixture(model):
+def make_fixture(model) -> dict:
+    """The rollout fixture (shared with tests/torch_bridge/test_megatron_reference.py)."""
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, CFG.vocab_size, P).astype(np.int32)
     responses = rng.integers(0, CFG.vocab_size, (G, R)).astype(np.int32)
@@ -100,6 +100,11 @@ def fixture(model):
     old = np.asarray(new) - LOG_RATIOS
     old[mask == 0] = 0.0
     return dict(prompt=prompt, responses=responses, mask=mask, old_logprobs=old, advantages=advantages)
+
+
+@pytest.fixture(scope="module")
+def fixture(model):
+    return make_fixture(model)
 
 
 @pytest.fixture(scope="module")
