@@ -317,6 +317,7 @@ class ParitySpec(_Section):
     lora_b_std: float = _rules(number(0.0))
     outliers: int = _rules(at_least(1, "largest per-parameter differences listed"))
     torch_reference: bool = _rules()
+    megatron_reference: bool = _rules()
 
     def validate(self, prefix: str) -> None:
         why = one_of(self.modes)(self.reference)

@@ -16,6 +16,8 @@ say what GLM-5 computes live in `megatron_policy.py`.
 from __future__ import annotations
 
 import contextlib
+import logging
+import warnings
 from collections.abc import Iterator
 
 # (5) transformer_impl="local": TransformerEngine does not install without CUDA; the local spec's modules are
@@ -33,6 +35,29 @@ CPU_CONFIG = dict(
     masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
     moe_token_dispatcher_type="allgather", dsa_indexer_rotate_activation=False,
 )
+
+
+# (9) The notices megatron-core and torch print on a machine without TransformerEngine, apex or CUDA ("... not
+#     installed. Falling back to ...", "No CUDA runtime is found", "GPTModel IS DEPRECATED") describe exactly the
+#     setup above; they are silenced while megatron is imported, built and run, and nothing else is.
+_NOTICES = r".*(Transformer Engine and Apex are not installed|Apex is not installed|absl.logging is not installed)"
+_NOISY_LOGGERS = ("megatron.core", "torch.utils.cpp_extension")
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """(9) megatron's expected CPU-only notices silenced for the duration of the block."""
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NOTICES)
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)
 
 
 def _init_world() -> None:
@@ -65,8 +90,8 @@ def _init_rng_tracker() -> None:
 
 @contextlib.contextmanager
 def cpu_runtime() -> Iterator[None]:
-    """(1) and (2) once per process, (3) and (8) for the duration of the block; restored on exit, so code outside
-    the block sees torch as it was.
+    """(1) and (2) once per process, (3), (8) and (9) for the duration of the block; restored on exit, so code
+    outside the block sees torch as it was.
 
     (3) torch.cuda.current_device answers "cpu": several megatron modules put tensors on
     `torch.cuda.current_device()` whatever `use_cpu_initialization` says (the DSA indexer's RotaryEmbedding
@@ -79,16 +104,17 @@ def cpu_runtime() -> Iterator[None]:
     import torch
     import torch._dynamo
 
-    _init_world()
-    _init_rng_tracker()
-    current_device, dynamo_disabled = torch.cuda.current_device, torch._dynamo.config.disable
-    if not torch.cuda.is_available():
-        torch.cuda.current_device = lambda: "cpu"
-    torch._dynamo.config.disable = True
-    try:
-        yield
-    finally:
-        torch.cuda.current_device, torch._dynamo.config.disable = current_device, dynamo_disabled
+    with quiet():
+        _init_world()
+        _init_rng_tracker()
+        current_device, dynamo_disabled = torch.cuda.current_device, torch._dynamo.config.disable
+        if not torch.cuda.is_available():
+            torch.cuda.current_device = lambda: "cpu"
+        torch._dynamo.config.disable = True
+        try:
+            yield
+        finally:
+            torch.cuda.current_device, torch._dynamo.config.disable = current_device, dynamo_disabled
 
 
 def local_dsa_block_spec(config):
