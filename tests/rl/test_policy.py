@@ -141,3 +141,21 @@ def test_fp8_policy_trains_only_its_adapters():
     assert moved == set(FAMILIES)
     changed = changed_entries(before, param_inventory(model))
     assert changed and all("_lora/" in name for name in changed), changed
+
+
+@pytest.mark.slow  # two one-step runs of the embedded policy (~3 min here); CI variant:
+# test_a_megatron_lora_starts_the_run_the_peft_adapter_starts (the same starting arrays, bit for bit)
+def test_a_megatron_lora_run_computes_what_the_peft_run_computes(adapter, tmp_path):
+    """One transaction from the Megatron LoRA file and one from the PEFT directory: the same receipt (candidates,
+    completions, rewards, loss, metrics), the adapter's path and hash aside."""
+    from glm52_jax.evidence.publish import result_differences
+    from glm52_jax.evidence.receipt import receipt_file
+    from glm52_jax.rl.run import run_online
+
+    peft_dir, _ = adapter
+    receipts = []
+    for name, path in (("peft", peft_dir), ("megatron", peft_dir.parent / "megatron_lora.safetensors")):
+        spec = config_spec("tiny", **{"model.init_adapter": str(path), "train.steps": 1})
+        run_online(spec, tmp_path / name, log=lambda msg: None)
+        receipts.append(receipt_file(tmp_path / name / "evidence" / "step_000001"))
+    assert result_differences(*receipts, ignore=("model.init_adapter",)) == []
