@@ -38,9 +38,11 @@ CPU_CONFIG = dict(
 
 
 # (9) The notices megatron-core and torch print on a machine without TransformerEngine, apex or CUDA ("... not
-#     installed. Falling back to ...", "No CUDA runtime is found", "GPTModel IS DEPRECATED") describe exactly the
-#     setup above; they are silenced while megatron is imported, built and run, and nothing else is.
-_NOTICES = r".*(Transformer Engine and Apex are not installed|Apex is not installed|absl.logging is not installed)"
+#     installed. Falling back to ...", "No CUDA runtime is found", "GPTModel IS DEPRECATED", and the CUDA-graph
+#     scope default's "full scope is deprecated") describe exactly the setup above; they are silenced while
+#     megatron is imported, built and run, and nothing else is.
+_NOTICES = (r".*(Transformer Engine and Apex are not installed|Apex is not installed|absl.logging is not installed"
+            r"|full scope is deprecated)")
 _NOISY_LOGGERS = ("megatron.core", "torch.utils.cpp_extension")
 
 
