@@ -27,7 +27,6 @@ import numpy as np
 
 from glm52_jax.rl import parity_metrics, processes
 from glm52_jax.run_config import ConfigError, RunSpec, parse_bound
-from glm52_jax.torch_bridge.megatron_cpu import quiet
 
 MODES = ("conventional", "response_only")  # what a reference computes (shared_prefix is exact conventional)
 
@@ -62,6 +61,9 @@ def check(spec: RunSpec) -> None:
     for ref in enabled(spec):
         flag = f"--config.parity.{ref.flag}=True"
         try:
+            # Imported here: the torch_bridge package imports torch, which a run without references never needs.
+            from glm52_jax.torch_bridge.megatron_cpu import quiet
+
             with quiet():
                 for module in ref.modules:
                     importlib.import_module(module)
