@@ -5,12 +5,12 @@ ask for a GPU are answered. Each workaround below says what fails without it and
 computes. Measured on megatron-core 0.19.2 + torch 2.13 (CPU wheel build, no GPU, no TransformerEngine, no apex);
 the recipe was first worked out in /work/shared/research/megatron/REPORT.txt.
 
-    with cpu_runtime():                       # (1)-(3) for the duration of a build + forward + backward
+    with cpu_runtime():                       # (1)-(3), (8), (9) for a build + forward + backward
         spec = local_dsa_block_spec(config)   # (4)
         model = GPTModel(config, spec, ...)
 
 `CPU_CONFIG` holds the config settings that only make the model CPU-buildable ((5)-(7)); the model settings that
-say what GLM-5 computes live in `megatron_policy.py`.
+say what GLM-5 computes live in `megatron_policy.py`. The workarounds are numbered (1)-(9) where they are made.
 """
 
 from __future__ import annotations
