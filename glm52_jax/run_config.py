@@ -26,6 +26,9 @@ from typing import Any
 
 from glm52_jax import choices
 
+# The acceptance bound language lives beside the decision it feeds (evidence/ re-decides receipts with both).
+from glm52_jax.parity_decision import PARITY_METRICS, Bound, parse_bound  # noqa: F401  (re-exported)
+
 EMBEDDED_POLICY = Path(__file__).resolve().parent / "assets" / "tiny_policy"
 SAVED_CONFIG = "config.json"
 # Keys a rerun on an existing workdir may change: how many transactions to run, how many checkpoints to keep,
@@ -262,53 +265,6 @@ class CheckpointSpec(_Section):
     keep: int = _rules(at_least(1, "the newest step checkpoint is what a rerun resumes from"))
 
 
-# Parity acceptance: per compared mode, "MODE: METRIC OP VALUE, ...". A gradient metric may name a LoRA family
-# ("unembed.rel_l2 <= 1e-5"); without one it is the global value over every family ("all").
-PARITY_METRICS = {"cosine": ">=", "rel_l2": "<=", "logprob_abs": "<=", "loss_abs": "<="}
-_FAMILY_METRICS = ("cosine", "rel_l2")
-
-
-@dataclasses.dataclass(frozen=True)
-class Bound:
-    """One acceptance bound: `family`'s `metric` `op` `value` (family "all" = global, or "-" for non-gradient)."""
-
-    family: str
-    metric: str
-    op: str
-    value: float
-
-    def holds(self, measured: float | None) -> bool:
-        if measured is None or not math.isfinite(measured):
-            return False
-        return measured >= self.value if self.op == ">=" else measured <= self.value
-
-    def describe(self) -> str:
-        name = self.metric if self.family in ("all", "-") else f"{self.family}.{self.metric}"
-        return f"{name} {self.op} {self.value:g}"
-
-
-def parse_bound(term: str) -> Bound | str:
-    """One "METRIC OP VALUE" term -> Bound, or why it is not one."""
-    parts = term.split()
-    if len(parts) != 3:
-        return f"{term!r} is not 'METRIC OP VALUE' (e.g. 'rel_l2 <= 1e-5')"
-    name, op, text = parts
-    family, _, metric = name.rpartition(".")
-    if metric not in PARITY_METRICS:
-        return f"{term!r}: unknown metric {metric!r}; choose from {', '.join(PARITY_METRICS)}"
-    if family and (metric not in _FAMILY_METRICS or family not in choices.LORA_FAMILIES):
-        return f"{term!r}: a family prefix must be one of {', '.join(choices.LORA_FAMILIES)} on cosine or rel_l2"
-    if op != PARITY_METRICS[metric]:
-        return f"{term!r}: {metric} takes {PARITY_METRICS[metric]}"
-    try:
-        value = float(text)
-    except ValueError:
-        return f"{term!r}: {text!r} is not a number"
-    if not math.isfinite(value) or value < 0:
-        return f"{term!r}: the bound must be a finite number >= 0"
-    return Bound(family or ("all" if metric in _FAMILY_METRICS else "-"), metric, op, value)
-
-
 @dataclasses.dataclass(frozen=True)
 class ParitySpec(_Section):
     modes: tuple[str, ...] = _rules(subset_of(choices.GRADIENT_MODES))
@@ -317,6 +273,7 @@ class ParitySpec(_Section):
     lora_b_std: float = _rules(number(0.0))
     outliers: int = _rules(at_least(1, "largest per-parameter differences listed"))
     torch_reference: bool = _rules()
+    megatron_reference: bool = _rules()
 
     def validate(self, prefix: str) -> None:
         why = one_of(self.modes)(self.reference)

@@ -55,8 +55,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.lora_rank = 8  # LoRA rank r
     c.model.lora_alpha = 16.0  # LoRA scale = alpha / rank
     c.model.lora_families = choices.LORA_FAMILIES  # adapted weight families (attention, experts, ...)
-    # A PEFT adapter directory (adapter_config.json + adapter_model.safetensors, as --mode=export writes) whose
-    # adapters seed step 1 instead of fresh ones; its rank, alpha, families and shapes must match the lora_* keys.
+    # A PEFT adapter directory (adapter_config.json + adapter_model.safetensors, as --mode=export writes) or a
+    # Megatron LoRA state dict file (Megatron-Bridge names; .safetensors, or a torch file read with
+    # weights_only=True) whose adapters seed step 1 instead of fresh ones; its rank, families and shapes (and a PEFT
+    # adapter's alpha) must match the lora_* keys; a Megatron file's scale is lora_alpha / lora_rank.
     # "" = fresh adapters (A random, B zero). A resumed run restores its checkpoint instead.
     c.model.init_adapter = ""
     # Frozen base weights on a mesh: "fsdp" shards each non-expert weight over all devices (1/N each) and the layer
@@ -131,6 +133,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.parity.lora_b_std = 0.02
     c.parity.outliers = 10  # the largest relative per-parameter differences listed per mode pair
     c.parity.torch_reference = False  # also compute conventional/response_only in PyTorch (HF + PEFT; extra `parity`)
+    c.parity.megatron_reference = False  # ... and in megatron-core (GPTModel + Megatron-Bridge LoRA; extra `parity`)
 
     c.plan = ml_collections.ConfigDict()  # --mode=plan: AOT compile for the mesh, no weights
     # Programs to compile: every program of a transaction (also: forward, a reference). The probe's two are

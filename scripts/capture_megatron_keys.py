@@ -1,10 +1,10 @@
 """Captures megatron-core's GPTModel state-dict keys and shapes for the tiny GLM-5 config of
 tests/checkpoint/test_megatron.py into tests/checkpoint/megatron_keys.json (the test's fixture).
 
-megatron-core is not a project dependency (a compiled cp312 wheel); run this with it on the path, e.g.
+megatron-core 0.19.2 comes with the `test` and `parity` extras (a cp312 wheel needing only numpy, packaging and
+torch):
 
-    pip download --no-deps megatron-core==0.19.2 -d /tmp/mc && unzip -q /tmp/mc/*.whl -d /tmp/mc/src
-    PYTHONPATH=/tmp/mc/src .venv/bin/python scripts/capture_megatron_keys.py
+    .venv/bin/python scripts/capture_megatron_keys.py
 
 It builds the real model on CPU (gloo, world size 1), with megatron-core's own modules throughout: the layers
 come from `get_transformer_layer_with_experimental_attention_variant_spec` (the GLM-5 spec Megatron-Bridge's

@@ -6,7 +6,7 @@ import tomllib
 from pathlib import Path
 
 # Only tests, the PyTorch parity bridge and plots use these; they live in extras (`test`, `parity`, `plots`).
-HEAVY = {"torch", "transformers", "peft", "verl", "matplotlib", "tensorflow"}
+HEAVY = {"torch", "transformers", "peft", "megatron-core", "verl", "matplotlib", "tensorflow"}
 # What the launcher imports (with its TensorBoard writer).
 LAUNCHER = {"jax", "flax", "optax", "orbax-checkpoint", "ml-collections", "absl-py", "numpy", "tokenizers",
             "tensorboardx"}
@@ -35,3 +35,14 @@ def test_plots_extra_is_matplotlib_and_the_test_extra_has_it():
         "optional-dependencies"]
     assert {_name(r) for r in extras["plots"]} == {"matplotlib"}
     assert "matplotlib" in {_name(r) for r in extras["test"]}
+
+
+def test_parity_and_test_extras_pin_both_references():
+    """`--config.parity.torch_reference` (HF + PEFT) and `megatron_reference` (megatron-core) run from the `parity`
+    extra; CI (the `test` extra) runs both references' tests."""
+    extras = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    for extra in ("parity", "test"):
+        pins = {_name(r): r.strip() for r in extras[extra]}
+        assert pins["megatron-core"] == "megatron-core==0.19.2" and pins["torch"] == "torch==2.13.0", extra
+        assert {"transformers", "peft"} <= set(pins), extra

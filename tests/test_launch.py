@@ -39,8 +39,9 @@ def _launch(*args, timeout=60):
     ("--config.model.checkpoint=/nonexistent", "config error: --config.model.checkpoint=/nonexistent: no "
                                                "config.json in '/nonexistent' (expected an HF checkpoint directory)"),
     ("--config.model.init_adapter=/nonexistent", "config error: --config.model.init_adapter=/nonexistent: "
-                                                 "/nonexistent/adapter_config.json: no such file (expected a PEFT "
-                                                 "adapter directory, as --mode=export writes under peft/)"),
+                                                 "/nonexistent: no such file or directory (expected a PEFT adapter "
+                                                 "directory, as --mode=export writes under peft/, or a Megatron LoRA "
+                                                 "state dict file)"),
 ])
 def test_bad_flags_fail_in_seconds_as_one_line(tmp_path, flag, line):
     done, seconds = _launch(flag, f"--workdir={tmp_path / 'w'}")

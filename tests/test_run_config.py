@@ -230,6 +230,10 @@ def test_choices_are_the_ones_the_code_implements():
         ModelOptions(cache_dtype=cache_dtype)
     with pytest.raises(ValueError, match=r"cache_dtype: expected one of \('auto', 'float8_e4m3fn'\), got 'bfloat16'"):
         ModelOptions(cache_dtype="bfloat16")
+    assert ModelOptions(latent_norm_eps=1e-5).latent_norm_eps == 1e-5 and ModelOptions().latent_norm_eps is None
+    for bad in (0, -1e-6, 1.0, True, "1e-5"):
+        with pytest.raises(ValueError, match="latent_norm_eps: expected None or a number in .0, 1."):
+            ModelOptions(latent_norm_eps=bad)
 
 
 def test_settings_build_the_objects_the_spec_configures():

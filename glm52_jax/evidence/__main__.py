@@ -1,6 +1,7 @@
 """CLI for evidence receipts.
 
-    python -m glm52_jax.evidence verify RECEIPT [--json]   # exit 0 valid, 1 failures, 2 usage
+    python -m glm52_jax.evidence verify RECEIPT [--json]   # exit 0 valid, 1 failures, 2 usage (a parity receipt's
+                                                           # decisions are recomputed from its metrics too)
     python -m glm52_jax.evidence verify --recompute-rewards RECEIPT   # also re-score every stored reward
     python -m glm52_jax.evidence verify WORKDIR            # every committed receipt of a run
     python -m glm52_jax.evidence show RECEIPT              # short summary (does not verify)
@@ -19,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from glm52_jax.evidence.parity_check import parity_decision_failures
 from glm52_jax.evidence.receipt import (
     NONDETERMINISTIC_KEY,
     RESERVED_KEYS,
@@ -32,20 +34,30 @@ from glm52_jax.evidence.run_dir import find_receipts
 
 
 def _check(path: Path, recompute: bool) -> dict[str, Any]:
-    """One receipt's verification record: ok, failures, artifacts, manifest sha256 (and rewards recomputed)."""
+    """One receipt's verification record: ok, failures, artifacts, manifest sha256 (and rewards recomputed, and a
+    parity receipt's decisions recomputed from its metrics)."""
     failures = verify(path)
     rewards = None
     if recompute:  # also when a hash fails: every difference is worth naming
         reward_failures, rewards = recompute_rewards(path)
         failures += reward_failures
+    try:
+        receipt = load_receipt(receipt_file(path))
+    except EvidenceError:
+        receipt = None  # verify named why
+    decided = 0
+    if isinstance(receipt, dict):  # also when a hash fails, as above
+        decision_failures, decided = parity_decision_failures(receipt)
+        failures += decision_failures
     manifest, manifest_sha = None, None
     if not failures:
-        receipt = load_receipt(path)
         manifest, manifest_sha = receipt["manifest"], receipt["manifest_sha256"]
     record = {"ok": not failures, "receipt": str(path), "failures": failures,
               "artifacts": None if manifest is None else len(manifest), "manifest_sha256": manifest_sha}
     if recompute:
         record["rewards_recomputed"] = rewards
+    if decided:
+        record["parity_decisions_recomputed"] = decided
     return record
 
 
@@ -53,6 +65,9 @@ def _lines(record: dict[str, Any]) -> list[str]:
     if record["failures"]:
         return list(record["failures"])
     lines = [f"OK {record['artifacts']} artifacts, manifest {record['manifest_sha256']}"]
+    if "parity_decisions_recomputed" in record:
+        lines.append(f"OK {record['parity_decisions_recomputed']} parity decisions recomputed from their metrics and "
+                     "bounds, all equal to the stored ones")
     if "rewards_recomputed" in record:
         lines.append(f"OK {record['rewards_recomputed']} rewards recomputed with the DAPO rule, all equal to the "
                      "stored ones")

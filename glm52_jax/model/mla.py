@@ -27,6 +27,16 @@ from glm52_jax.model.shared_cache import SharedLayerView
 from glm52_jax.model.sparse_attention import array_rows, cached_rows, sparse_mla_rows
 from glm52_jax.parallel.rules import constrain
 
+# The q / kv latent RMSNorms' epsilon: HF glm_moe_dsa builds them with its RMSNorm default (1e-6), not
+# config.rms_norm_eps. megatron-core, vLLM and HF's glm5_next use rms_norm_eps there (docs/DESIGN.md, parity);
+# `ModelOptions.latent_norm_eps` picks another value.
+LATENT_NORM_EPS = 1e-6
+
+
+def latent_norm_eps(opts: ModelOptions) -> float:
+    """The q / kv latent RMSNorms' epsilon under `opts`."""
+    return LATENT_NORM_EPS if opts.latent_norm_eps is None else opts.latent_norm_eps
+
 
 class Attention(nnx.Module):
     """One layer's MLA + (for 'full' layers) its indexer."""
@@ -38,10 +48,10 @@ class Attention(nnx.Module):
         self.cfg = cfg
         self.opts = opts
         self.q_a_proj = param(rngs, (cfg.hidden_size, cfg.q_lora_rank), ("embed", "q_lora"), dt)
-        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6, "q_lora", dt)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, latent_norm_eps(opts), "q_lora", dt)
         self.q_b_proj = param(rngs, (cfg.q_lora_rank, h, n + r), ("q_lora", "heads", "qk_dim"), dt)
         self.kv_a_proj_with_mqa = param(rngs, (cfg.hidden_size, c + r), ("embed", "kv_lora"), dt)
-        self.kv_a_layernorm = RMSNorm(c, 1e-6, "kv_lora", dt)
+        self.kv_a_layernorm = RMSNorm(c, latent_norm_eps(opts), "kv_lora", dt)
         self.w_uk = param(rngs, (c, h, n), ("kv_lora", "heads", "qk_dim"), dt)
         self.w_uv = param(rngs, (c, h, v), ("kv_lora", "heads", "v_dim"), dt)
         self.o_proj = param(rngs, (h, v, cfg.hidden_size), ("heads", "v_dim", "embed"), dt)

@@ -42,6 +42,9 @@ class ModelOptions:
     parameter dtype) or "float8_e4m3fn" (e4m3 with one float32 scale per cached row, `model/cache_fp8.py`:
     half of bf16's bytes). The sampler's caches, response_only's prefix and the new log-probs' prompt use it;
     shared_prefix keeps its differentiated prefix in the parameter dtype (rounding has no gradient).
+    `latent_norm_eps`: the epsilon of the MLA q / kv latent RMSNorms; None (default) is HF glm_moe_dsa's 1e-6
+    (`model.mla.LATENT_NORM_EPS`). megatron-core, vLLM and HF's glm5_next use the config's rms_norm_eps there
+    (docs/DESIGN.md, parity); no checkpoint records which one a model was trained with.
     """
 
     param_dtype: object = jnp.bfloat16
@@ -57,6 +60,7 @@ class ModelOptions:
     moe_receive_capacity: float = 0.0
     gather_weights_min_tokens: int = 0
     cache_dtype: str = "auto"
+    latent_norm_eps: float | None = None
 
     def __post_init__(self):
         for name in ("indexer_query_block", "indexer_key_block", "attention_query_block", "moe_token_block"):
@@ -80,5 +84,8 @@ class ModelOptions:
                              f"got {self.moe_receive_capacity!r}")
         if self.cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"ModelOptions.cache_dtype: expected one of {CACHE_DTYPES}, got {self.cache_dtype!r}")
+        eps = self.latent_norm_eps
+        if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1):
+            raise ValueError(f"ModelOptions.latent_norm_eps: expected None or a number in (0, 1), got {eps!r}")
         if self.lora is not None and not isinstance(self.lora, LoRAConfig):
             raise ValueError(f"ModelOptions.lora: expected a LoRAConfig or None, got {self.lora!r}")

@@ -163,14 +163,15 @@ def exact_prompt(tokenizer, row, n_tokens: int, *, flag: str | None = None) -> l
 
 
 def init_adapter_record(spec: RunSpec, model_cfg) -> dict[str, str] | None:
-    """`model.init_adapter` checked against the run's LoRA on the abstract model (rank, alpha, families, every
-    tensor name and shape; no weights read): {"path", "sha256" of adapter_model.safetensors}, None when unset."""
+    """`model.init_adapter` checked against the run's LoRA on the abstract model (a PEFT directory: rank, alpha,
+    families, every tensor name and shape; a Megatron LoRA file: names, rank, shapes; `checkpoint/init_adapter.py`):
+    {"path", "sha256" of the weights (adapter_model.safetensors, or the Megatron file)}, None when unset."""
     if not spec.model.init_adapter:
         return None
     from flax import nnx
 
-    from glm52_jax.checkpoint.peft import ADAPTER_WEIGHTS
-    from glm52_jax.checkpoint.peft_load import AdapterMismatchError, check_peft_adapter
+    from glm52_jax.checkpoint.init_adapter import check_init_adapter
+    from glm52_jax.checkpoint.peft_load import AdapterMismatchError
     from glm52_jax.evidence.hashing import sha256_file
     from glm52_jax.model.transformer import GlmMoeDsa
     from glm52_jax.rl import settings
@@ -178,11 +179,10 @@ def init_adapter_record(spec: RunSpec, model_cfg) -> dict[str, str] | None:
     opts = dataclasses.replace(settings.model_options(spec.model), lora=settings.lora_config(spec.model))
     abstract = nnx.eval_shape(lambda: GlmMoeDsa(model_cfg, opts, rngs=nnx.Rngs(0)))
     try:
-        check_peft_adapter(abstract, spec.model.init_adapter)
+        weights = check_init_adapter(abstract, spec.model.init_adapter)
     except AdapterMismatchError as e:
         raise ConfigError(f"--config.model.init_adapter={spec.model.init_adapter}: {e}") from None
-    path = Path(spec.model.init_adapter).resolve()
-    return {"path": str(path), "sha256": sha256_file(path / ADAPTER_WEIGHTS)}
+    return {"path": str(Path(spec.model.init_adapter).resolve()), "sha256": sha256_file(weights.resolve())}
 
 
 @dataclasses.dataclass

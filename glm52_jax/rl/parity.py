@@ -8,8 +8,9 @@ loss, new log-probs and LoRA gradients of that group in every mode of `parity.mo
 per sample, never an optimizer step: the LoRA and AdamW state are hashed before and after and must
 not change), exports every gradient shard as it lives on each device (parity_shards), and compares
 each mode with `parity.reference` (conventional) by the seed's metrics (parity_metrics). Each pair
-is decided `passed` / `failed` against `parity.acceptance`. With `parity.torch_reference` the same
-fixture also runs in PyTorch (HF + PEFT, glm52_jax.torch_bridge) and is compared the same way.
+is decided `passed` / `failed` against `parity.acceptance`. With `parity.torch_reference` (HF + PEFT) and
+`parity.megatron_reference` (megatron-core) the same fixture also runs in PyTorch and is compared the same way
+(parity_references).
 
 Writes `RUN/evidence/gradient_parity_<name>.json` (name: the config's, without a leading
 "gradient_parity_") with its artifacts in `RUN/evidence/gradient_parity_<name>/`: the fixture, each
@@ -21,23 +22,18 @@ and writes the receipt, every process computes and writes its own devices' shard
 from __future__ import annotations
 
 import contextlib
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from glm52_jax.rl import parity_cases, parity_metrics, processes, settings
+from glm52_jax.rl import parity_cases, parity_metrics, parity_references, processes, settings
 from glm52_jax.rl.inputs import resolve
 from glm52_jax.rl.policy import build_policy, train_mesh
 from glm52_jax.rl.rewards.dapo import reward_rule
 from glm52_jax.rl.search import candidate_seeds, response_batch, search_group
-from glm52_jax.run_config import ConfigError, RunSpec, parse_bound
-
-# The PyTorch bridge's bounds (float32, same fixture): the issue's contract, not a setting.
-TORCH_BOUNDS = ("cosine >= 0.99999", "rel_l2 <= 1e-4", "logprob_abs <= 1e-5", "loss_abs <= 1e-5")
-TORCH_MODES = ("conventional", "response_only")
+from glm52_jax.run_config import ConfigError, RunSpec
 
 
 def receipt_name(spec: RunSpec) -> str:
@@ -54,8 +50,7 @@ def run_parity(spec: RunSpec, workdir: str | Path, *, log: Callable[[str], None]
 
     spec.parity.bounds()  # validated with the spec; parsed again here so a bad bound stops before any work
     processes.check_same_settings(spec)
-    if spec.parity.torch_reference:
-        _check_torch(spec)
+    parity_references.check(spec)
     inputs = resolve(spec)
     mesh_spec, mesh = train_mesh(spec)
     with processes.claim_run(spec, workdir, command) as workdir, contextlib.ExitStack() as stack:
@@ -77,19 +72,6 @@ def run_parity(spec: RunSpec, workdir: str | Path, *, log: Callable[[str], None]
             log(f"mesh {mesh_spec.describe()} over {mesh_spec.size} {jax.devices()[0].platform} devices")
         artifacts = workdir / "evidence" / receipt_name(spec).removesuffix(".json")
         return _parity(inputs, model, optimizer, writer, artifacts, mesh_spec, log)
-
-
-def _check_torch(spec: RunSpec) -> None:
-    try:
-        import peft  # noqa: F401
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError as e:
-        raise ConfigError(f"--config.parity.torch_reference=True needs the `parity` extra (torch, transformers, "
-                          f"peft): {e}; install with `pip install -e .[parity]`") from None
-    if processes.count() > 1:
-        raise ConfigError("--config.parity.torch_reference=True runs in one process (the torch model is built on "
-                          "its host); run parity without it on several processes")
 
 
 def _policy_state(spec: RunSpec, model) -> dict[str, Any]:
@@ -192,12 +174,15 @@ def _parity(inputs, model, optimizer, writer, artifacts: Path, mesh_spec, log) -
     after = _state_hashes(model, optimizer)
     if after != before:
         raise AssertionError(f"parity changed the policy state: {before} -> {after}")  # a bug, never expected
-    torch_runs = _torch_runs(spec, model, prompt, responses, mask, olds, advantages, loss_settings, log)
+    reference_runs = parity_references.runs(spec, model, prompt, responses, mask, olds, advantages, loss_settings,
+                                            log)
     processes.barrier("parity: shards written")
     if writer is None:  # processes other than 0: computed alongside, nothing to write
         processes.barrier("parity: receipt written")
         return {"receipt": None}
-    section = _compare(spec, results, torch_runs, families, mask, olds, advantages, loss_settings, bounds, log)
+    section = _compare(spec, results, reference_runs, families, mask, olds, advantages, loss_settings, bounds, log)
+    if reference_runs:
+        section["references"] = parity_references.describe(spec, model)
     for name, array in fixture_arrays.items():
         writer.add_array(name, array, kind="fixture")
     writer.add_json("candidates.json", candidates, kind="rewards")
@@ -234,29 +219,7 @@ def _export(arrays: dict, directory: Path) -> list[dict]:
     return export_shards(arrays, directory, "shards", processes.index())
 
 
-def _torch_runs(spec, model, prompt, responses, mask, olds, advantages, loss_settings, log) -> dict | None:
-    """The PyTorch bridge's results per case and mode (None unless parity.torch_reference)."""
-    if not spec.parity.torch_reference:
-        return None
-    from flax import nnx
-
-    from glm52_jax.torch_bridge import torch_reference
-
-    runs = {}
-    with tempfile.TemporaryDirectory(prefix="glm52-parity-torch-") as scratch:
-        for case, old in olds.items():
-            modes = [m for m in TORCH_MODES if m in spec.parity.modes]
-            out = torch_reference(model, prompt, responses, mask, old, advantages, modes=modes, loss=loss_settings,
-                                  scratch_dir=Path(scratch) / case)
-            runs[case] = {mode: {"grads": {"/".join(map(str, p)): np.asarray(v.get_value())
-                                           for p, v in nnx.to_flat_state(r.grads)},
-                                 "loss": float(r.loss), "logprobs": np.asarray(r.logprobs)}
-                          for mode, r in out.items()}
-            log(f"parity {case}: torch reference of {', '.join(modes)} done")
-    return runs
-
-
-def _compare(spec, results, torch_runs, families, mask, olds, advantages, loss_settings, bounds, log) -> dict:
+def _compare(spec, results, reference_runs, families, mask, olds, advantages, loss_settings, bounds, log) -> dict:
     """The receipt's parity section: per case, clipping counts, per mode its numbers, per pair metrics + decision."""
     reference, outliers = spec.parity.reference, spec.parity.outliers
     cases = {}
@@ -272,14 +235,12 @@ def _compare(spec, results, torch_runs, families, mask, olds, advantages, loss_s
                 ref_shards=ref["records"], params_sha256=run["params_sha256"], ref_params_sha256=ref["params_sha256"])
             pairs[mode] = {**metrics, **parity_metrics.decide(metrics, bounds[mode])}
             _log_pair(log, case, f"{mode} vs {reference}", pairs[mode])
-        torch_pairs = {}
-        for mode, trun in (torch_runs or {}).get(case, {}).items():
-            metrics = parity_metrics.pair_metrics(
-                trun["grads"], runs[mode]["grads"], families, logprobs=trun["logprobs"],
-                ref_logprobs=runs[mode]["logprobs"], mask=mask, loss=trun["loss"], ref_loss=runs[mode]["loss"],
-                outliers=outliers)
-            torch_pairs[mode] = {**metrics, **parity_metrics.decide(metrics, [parse_bound(b) for b in TORCH_BOUNDS])}
-            _log_pair(log, case, f"torch {mode} vs jax {mode}", torch_pairs[mode])
+        reference_pairs = {}
+        for source in parity_references.enabled(spec):
+            reference_pairs[source.name] = parity_references.pairs(source, reference_runs[source.name][case], runs,
+                                                                   families, mask, outliers)
+            for mode, pair in reference_pairs[source.name].items():
+                _log_pair(log, case, f"{source.name} {mode} vs jax {mode}", pair)
         clips = parity_cases.clip_counts(
             ref["logprobs"], olds[case], mask, advantages, clip_ratio_low=loss_settings.clip_ratio_low,
             clip_ratio_high=loss_settings.clip_ratio_high, clip_ratio_c=loss_settings.clip_ratio_c)
@@ -289,13 +250,13 @@ def _compare(spec, results, torch_runs, families, mask, olds, advantages, loss_s
                              "shards": len(run["records"]),
                              "nonfinite": sum(int((~np.isfinite(g)).sum()) for g in run["grads"].values())}
                       for mode, run in runs.items()},
-            "pairs": pairs, **({"torch": torch_pairs} if torch_runs is not None else {}),
+            "pairs": pairs, **reference_pairs,
         }
-    decisions = [p["decision"] for c in cases.values() for group in ("pairs", "torch")
-                 for p in c.get(group, {}).values()]
+    groups = ("pairs",) + tuple(r.name for r in parity_references.enabled(spec))
+    decisions = [p["decision"] for c in cases.values() for group in groups for p in c.get(group, {}).values()]
     return {"reference": reference, "modes": list(spec.parity.modes), "cases": cases, "optimizer_steps": 0,
             "acceptance": {m: [b.describe() for b in bs] for m, bs in bounds.items()},
-            **({"torch_acceptance": list(TORCH_BOUNDS)} if torch_runs is not None else {}),
+            **{f"{r.name}_acceptance": list(r.bounds) for r in parity_references.enabled(spec)},
             "decision": "passed" if all(d == "passed" for d in decisions) else "failed"}
 
 

@@ -13,7 +13,8 @@ fixture and LoRA state, held on the host as `{parameter name: array}` in our lay
   outliers           the parameters with the largest relative L2 difference, with their absolute scale
 
 Cosine and relative L2 are None where a norm is zero (undefined; receipts hold no NaN); a bound on an
-undefined value fails. Computed in float64.
+undefined value fails. Computed in float64. The decision against bounds is `glm52_jax.parity_decision.decide`
+(re-exported here), which `python -m glm52_jax.evidence verify` re-runs on a receipt's stored metrics.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from glm52_jax.run_config import Bound
+from glm52_jax.parity_decision import decide, measured  # noqa: F401  (the decision, shared with evidence/)
 
 FAMILY_ALL = "all"
 
@@ -109,28 +110,3 @@ def pair_metrics(grads: Mapping[str, np.ndarray], ref: Mapping[str, np.ndarray],
     if params_sha256 is not None and ref_params_sha256 is not None:
         out["params_equal"] = params_sha256 == ref_params_sha256
     return out
-
-
-def measured(metrics: Mapping[str, Any], bound: Bound) -> float | None:
-    """The value of `metrics` that `bound` constrains."""
-    if bound.metric in ("logprob_abs", "loss_abs"):
-        return metrics[bound.metric]
-    family = metrics["families"].get(bound.family)
-    return None if family is None else family[bound.metric]
-
-
-def decide(metrics: Mapping[str, Any], bounds: Sequence[Bound]) -> dict[str, Any]:
-    """Every bound checked against `metrics`, plus the contract every pair must meet whatever the bounds:
-    finite gradients, and where compared the same shard set and the same starting parameters. `passed` only if
-    all hold."""
-    checks = []
-    for bound in bounds:
-        value = measured(metrics, bound)
-        checks.append({"bound": bound.describe(), "measured": value, "passed": bound.holds(value)})
-    structural = {"finite gradients": metrics["nonfinite"] == 0 and metrics["reference_nonfinite"] == 0}
-    if "shards" in metrics:
-        structural["same shard set"] = metrics["shards"]["set_equal"]
-    if "params_equal" in metrics:
-        structural["same starting parameters"] = metrics["params_equal"]
-    checks += [{"bound": name, "measured": ok, "passed": bool(ok)} for name, ok in structural.items()]
-    return {"decision": "passed" if all(c["passed"] for c in checks) else "failed", "checks": checks}

@@ -34,19 +34,20 @@ def build_base(spec: RunSpec, inputs: RunInputs, mesh=None, *, options=None):
 
 def build_policy(spec: RunSpec, inputs: RunInputs, mesh=None, *, init_adapter: bool = True):
     """(model with its LoRA adapters, its LoRAOptimizer). The adapters are fresh (A random, B zero), or read
-    from `model.init_adapter` when set and `init_adapter` (False: a run restoring a checkpoint, which
-    overwrites them anyway). With a `mesh` (and its rules table active) every weight, adapter and optimizer
-    moment is sharded by its logical axes."""
+    from `model.init_adapter` (a PEFT directory or a Megatron LoRA file) when set and `init_adapter` (False: a
+    run restoring a checkpoint, which overwrites them anyway). With a `mesh` (and its rules table active) every
+    weight, adapter and optimizer moment is sharded by its logical axes."""
     from glm52_jax.model.lora import attach_lora
     from glm52_jax.parallel.placement import place_model
     from glm52_jax.rl.update import LoRAOptimizer
 
     model = attach_lora(build_base(spec, inputs, mesh), settings.lora_config(spec.model), seed=spec.seed)
     if spec.model.init_adapter and init_adapter:
-        from glm52_jax.checkpoint.peft_load import AdapterMismatchError, load_peft_adapter
+        from glm52_jax.checkpoint.init_adapter import load_init_adapter
+        from glm52_jax.checkpoint.peft_load import AdapterMismatchError
 
         try:
-            model = load_peft_adapter(model, spec.model.init_adapter)
+            model = load_init_adapter(model, spec.model.init_adapter)
         except AdapterMismatchError as e:  # resolve() checked it; the files changed since
             raise ConfigError(f"--config.model.init_adapter={spec.model.init_adapter}: {e}") from None
     if mesh is not None:

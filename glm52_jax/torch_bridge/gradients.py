@@ -69,7 +69,7 @@ class TorchResult:
 # Log-probs of the response tokens (torch, differentiable).
 
 
-def _target_logprobs(logits, targets):
+def target_logprobs(logits, targets):
     """`logits: [R,V]` at the positions predicting `targets: [R]` -> their log-probs [R]."""
     import torch
 
@@ -86,7 +86,7 @@ def conventional_logprobs(policy, prompt, responses):
     for response in responses:
         ids = torch.cat([prompt, response[:-1]])[None]
         logits = policy(input_ids=ids, use_cache=False).logits[0, p - 1:]
-        rows.append(_target_logprobs(logits, response))
+        rows.append(target_logprobs(logits, response))
     return torch.stack(rows)
 
 
@@ -101,7 +101,7 @@ def response_only_logprobs(policy, prompt, responses):
     for response in responses:
         ids = torch.cat([prompt[-1:], response[:-1]])[None]
         logits = policy(input_ids=ids, cache=copy.deepcopy(prefix), use_cache=True).logits[0]
-        rows.append(_target_logprobs(logits, response))
+        rows.append(target_logprobs(logits, response))
     return torch.stack(rows)
 
 
@@ -161,7 +161,8 @@ def grads_to_ours(model, peft_grads: dict[str, np.ndarray], adapter_dir: Path, o
 # The entry point.
 
 
-def _check(prompt, responses, mask, old_logprobs, advantages, modes) -> tuple[str, ...]:
+def check_inputs(prompt, responses, mask, old_logprobs, advantages, modes) -> tuple[str, ...]:
+    """The fixture's shapes and the modes asked for (both references); returns the modes as a tuple."""
     # The same checks as rl.gradients.check_inputs, written out: rl imports this package (parity), so this
     # package does not import rl.
     if prompt.ndim != 1 or prompt.shape[0] < 2:
@@ -193,7 +194,7 @@ def torch_reference(model, prompt, responses, mask, old_logprobs, advantages, *,
     prompt, responses = np.asarray(prompt), np.asarray(responses)
     mask, old_logprobs = np.asarray(mask, np.float32), np.asarray(old_logprobs, np.float32)
     advantages = np.asarray(advantages, np.float32)
-    modes = _check(prompt, responses, mask, old_logprobs, advantages, modes)
+    modes = check_inputs(prompt, responses, mask, old_logprobs, advantages, modes)
     # Outside any mesh context: the writers read each array with small programs on the array's own devices
     # (a replicated array from its first device), which an enclosing `jax.set_mesh` of several devices refuses.
     with jax.set_mesh(None):

@@ -139,6 +139,10 @@ def test_lora_names_follow_megatron_bridge_on_the_real_modules(model):
     assert meg.megatron_shapes(_abstract(), LAYOUTS[0], base=False) == grouped
 
 
+# ~10-20 s (a subprocess importing jax, torch and megatron-core): slow since megatron-core is in the test extra; CI
+# variant: tests/torch_bridge/test_megatron_reference.py::test_built_model_holds_exactly_the_maps_tensors (the same
+# comparison in-process on the reference's GPTModel, adapters included).
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
 def test_names_match_a_live_megatron_core_model():
     """Builds the real GPTModel (scripts/capture_megatron_keys.py) in a subprocess and compares its state dict."""

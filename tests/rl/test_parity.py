@@ -1,5 +1,6 @@
 """Parity mode: the gradient modes in both cases on one real rollout group of the embedded policy, on one
-device and on both 8-device meshes, from a nonzero LoRA; the receipt's decisions recomputed from its metrics."""
+device and on both 8-device meshes, from a nonzero LoRA; the receipt's decisions recomputed from its metrics. The
+one-device run also computes both references (HF + PEFT, megatron-core) when the `parity` extra is installed."""
 
 import importlib.util
 import json
@@ -11,16 +12,19 @@ import pytest
 from glm52_jax.evidence import verify
 from glm52_jax.evidence.publish import result_differences
 from glm52_jax.evidence.receipt import load_receipt
-from glm52_jax.rl import parity_cases, parity_metrics, parity_shards
+from glm52_jax.rl import parity_cases, parity_metrics, parity_references, parity_shards
 from glm52_jax.rl.inputs import resolve
 from glm52_jax.rl.parity import receipt_name, run_parity
+from glm52_jax.run_config import ConfigError, parse_bound
 from tests.run_helpers import ROOT, config_spec
 
 # Both meshes are slow for CI's budget (~140-180 s each; both passed in CI runs of 2026-12-05 and by hand). CI keeps
 # parity on one device; sharded LoRA gradients against one device stay in CI through tests/parallel/test_distributed.py.
 MESHES = (pytest.param("folded=8", marks=pytest.mark.slow), pytest.param("context=4,expert=2", marks=pytest.mark.slow))
-# The PyTorch bridge joins the one-device run when the `parity` extra is installed (~10 s more).
+# The PyTorch bridge joins the one-device run when the `parity` extra is installed (~10 s more), and so does the
+# Megatron reference (~10 s more: megatron-core's import, the GPTModel, 2 cases x 2 modes x G forward + backward).
 HAS_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers", "peft"))
+HAS_MEGATRON = all(importlib.util.find_spec(m) for m in ("torch", "megatron"))
 
 
 def _run(tmp_path_factory, **overrides):
@@ -32,7 +36,7 @@ def _run(tmp_path_factory, **overrides):
 
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory):
-    return _run(tmp_path_factory, **{"parity.torch_reference": HAS_TORCH})
+    return _run(tmp_path_factory, **{"parity.torch_reference": HAS_TORCH, "parity.megatron_reference": HAS_MEGATRON})
 
 
 @pytest.fixture(scope="module", params=MESHES)
@@ -97,6 +101,50 @@ def test_torch_reference_meets_the_bridge_bounds(one_device):
                 assert values["cosine"] >= 0.99999 and values["rel_l2"] <= 1e-4, (case, mode, family, values)
     print("\ntorch vs jax:", json.dumps({c: {m: p["families"]["all"] for m, p in r["torch"].items()}
                                          for c, r in parity["cases"].items()}))
+
+
+@pytest.mark.skipif(not HAS_MEGATRON, reason="needs the parity extra (torch, megatron-core)")
+def test_megatron_reference_meets_its_bounds(one_device):
+    """megatron-core's GPTModel with Megatron-Bridge LoRA on the same fixture and LoRA: conventional and
+    response_only gradients within cosine 0.99999 / relative L2 1e-5 globally and in every family (measured
+    2.4e-6 .. 3.9e-6 globally), log-probs and loss within 1e-5, in both cases; every decision recomputed."""
+    _, receipt = _receipt(one_device)
+    parity = receipt["parity"]
+    bounds = ["cosine >= 0.99999", "rel_l2 <= 1e-5", "logprob_abs <= 1e-5", "loss_abs <= 1e-5"]
+    assert parity["megatron_acceptance"] == bounds
+    assert parity["references"]["megatron"]["megatron_core"] == "0.19.2"
+    assert parity["references"]["megatron"]["latent_norm_eps"] == 1e-6
+    for case, result in parity["cases"].items():
+        assert sorted(result["megatron"]) == ["conventional", "response_only"]
+        for mode, pair in result["megatron"].items():
+            assert parity_metrics.decide(pair, [parse_bound(b) for b in bounds]) == {
+                "decision": pair["decision"], "checks": pair["checks"]}, (case, mode)
+            assert pair["decision"] == "passed", (case, mode, pair["checks"])
+            for family, values in pair["families"].items():
+                assert values["cosine"] >= 0.99999 and values["rel_l2"] <= 1e-5, (case, mode, family, values)
+        # response_only is its own computation: megatron's agrees with ours, not with conventional.
+        ro, conv = result["megatron"]["response_only"], result["pairs"]["response_only"]
+        assert ro["families"]["attention"]["rel_l2"] <= 1e-5 < conv["families"]["attention"]["rel_l2"]
+    assert parity["decision"] == "passed"
+    print("\nmegatron vs jax:", json.dumps({c: {m: p["families"]["all"] for m, p in r["megatron"].items()}
+                                            for c, r in parity["cases"].items()}))
+
+
+def test_a_reference_without_its_packages_is_a_config_error(monkeypatch):
+    import importlib
+
+    real = importlib.import_module
+
+    def without_megatron(name, *args, **kwargs):
+        if name.startswith("megatron"):
+            raise ImportError(f"No module named {name!r}")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib, "import_module", without_megatron)
+    with pytest.raises(ConfigError, match=r"^--config.parity.megatron_reference=True needs the `parity` extra "
+                                          r"\(torch, megatron.core\): No module named 'megatron.core'; install with "
+                                          r"`pip install -e .\[parity\]`$"):
+        parity_references.check(config_spec("tiny", **{"parity.megatron_reference": True}))
 
 
 def test_active_clip_clips_both_sides_and_ratio1_none(one_device):
@@ -168,12 +216,13 @@ def test_32k_parity_config():
 
 def test_the_committed_parity_receipt_is_what_this_code_computes(one_device):
     """evidence/gradient_parity_tiny.json (published from `--mode=parity --config=configs/tiny.py
-    --config.parity.torch_reference=True`, evidence/README.md) verifies, and the same run here decides and
-    measures the same (provenance, timings, absolute paths and hashes of float data aside)."""
+    --config.parity.torch_reference=True --config.parity.megatron_reference=True`, evidence/README.md) verifies,
+    and the same run here decides and measures the same (provenance, timings, absolute paths and hashes of float
+    data aside)."""
     committed = ROOT / "evidence" / "gradient_parity_tiny.json"
     assert verify(committed) == []
-    if not HAS_TORCH:
-        pytest.skip("the committed receipt includes the PyTorch bridge's pairs (the `parity` extra)")
+    if not (HAS_TORCH and HAS_MEGATRON):
+        pytest.skip("the committed receipt includes both references' pairs (the `parity` extra)")
     path, _ = _receipt(one_device)
     # Another CPU rounds differently: measured differences are compared to 1e-5 absolute (the exact modes'
     # own bound), the outliers of pairs that agree at that level are rounding ranked by rounding, and the count

@@ -1,5 +1,6 @@
 """The policy a run trains (`rl/policy.py`): fresh adapters, or those of `model.init_adapter` (a PEFT adapter
-directory as --mode=export writes it), checked in `resolve` before any model is built."""
+directory as --mode=export writes it, or the same adapter as a Megatron LoRA state dict), checked in `resolve`
+before any model is built."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from glm52_jax.checkpoint.megatron import MegatronLayout, to_megatron
 from glm52_jax.checkpoint.peft import save_peft_adapter
+from glm52_jax.checkpoint.safetensors_io import write_safetensors
 from glm52_jax.model.lora import LoRA
 from glm52_jax.model.transformer import GlmMoeDsa
 from glm52_jax.rl import settings
@@ -29,7 +32,8 @@ def _lora(model) -> dict:
 @pytest.fixture(scope="module")
 def adapter(tmp_path_factory):
     """(adapter directory, its LoRA arrays): random A and B on the abstract embedded policy (save_peft_adapter
-    reads only the adapters, so the base stays abstract and nothing is compiled)."""
+    reads only the adapters, so the base stays abstract and nothing is compiled). The same adapter as a Megatron
+    LoRA state dict lies beside it (`megatron_lora.safetensors`, Megatron-Bridge names, sequential experts)."""
     spec = config_spec("tiny")
     opts = dataclasses.replace(settings.model_options(spec.model), lora=settings.lora_config(spec.model))
     graphdef, state = nnx.split(nnx.eval_shape(lambda: GlmMoeDsa(resolve(spec, data=False).model_cfg, opts,
@@ -40,6 +44,8 @@ def adapter(tmp_path_factory):
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     path = tmp_path_factory.mktemp("init") / "adapter"
     save_peft_adapter(model, path)
+    write_safetensors(path.parent / "megatron_lora.safetensors",
+                      sorted(to_megatron(model, MegatronLayout("sequential", False), base=False).items()))
     return path, _lora(model)
 
 
@@ -67,6 +73,21 @@ def test_init_adapter_seeds_the_policy(adapter):
     fields = receipt_fields(inputs, seeded.cfg, step=1, cursor=0, candidates=[], samples=[], accepted=None,
                             training={}, numerics={}, cleanup={}, traces=[], probe=None, rank_paths=[])
     assert fields["model"]["init_adapter"] == {"path": str(path.resolve()), "sha256": digest}
+
+
+def test_a_megatron_lora_starts_the_run_the_peft_adapter_starts(adapter):
+    """The same adapter as a Megatron LoRA file: resolve checks it and records its hash, build_policy seeds the
+    policy with the PEFT directory's arrays bit for bit (tests/checkpoint/test_init_adapter.py: every layout and
+    file kind, and the errors)."""
+    path, want = adapter
+    path = path.parent / "megatron_lora.safetensors"
+    spec = config_spec("tiny", **{"model.init_adapter": str(path)})
+    inputs = resolve(spec)
+    assert inputs.init_adapter == {"path": str(path.resolve()), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    seeded, optimizer = build_policy(spec, inputs)
+    got = _lora(seeded)
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+    assert optimizer.step == 0
 
 
 def test_an_adapter_of_another_lora_config_fails_in_resolve(adapter):
@@ -120,3 +141,21 @@ def test_fp8_policy_trains_only_its_adapters():
     assert moved == set(FAMILIES)
     changed = changed_entries(before, param_inventory(model))
     assert changed and all("_lora/" in name for name in changed), changed
+
+
+@pytest.mark.slow  # two one-step runs of the embedded policy (~3 min here); CI variant:
+# test_a_megatron_lora_starts_the_run_the_peft_adapter_starts (the same starting arrays, bit for bit)
+def test_a_megatron_lora_run_computes_what_the_peft_run_computes(adapter, tmp_path):
+    """One transaction from the Megatron LoRA file and one from the PEFT directory: the same receipt (candidates,
+    completions, rewards, loss, metrics), the adapter's path and hash aside."""
+    from glm52_jax.evidence.publish import result_differences
+    from glm52_jax.evidence.receipt import receipt_file
+    from glm52_jax.rl.run import run_online
+
+    peft_dir, _ = adapter
+    receipts = []
+    for name, path in (("peft", peft_dir), ("megatron", peft_dir.parent / "megatron_lora.safetensors")):
+        spec = config_spec("tiny", **{"model.init_adapter": str(path), "train.steps": 1})
+        run_online(spec, tmp_path / name, log=lambda msg: None)
+        receipts.append(receipt_file(tmp_path / name / "evidence" / "step_000001"))
+    assert result_differences(*receipts, ignore=("model.init_adapter",)) == []
