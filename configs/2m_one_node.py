@@ -10,8 +10,9 @@ bounded dense MoE exchange, tensor-parallel few-token calls) on 8 GPUs of one ho
 the base is ~1.49 TB, which 8 x 141 GiB cannot hold; as the FP8 release stores it (e4m3 with 128 x 128 block scales
 on the projection matrices, `model.base_weights="fp8"`: an FP8 checkpoint loads as stored, a BF16 one is quantized
 as it is read) it is 746 GB, 93.3 GB per device. The plan compiles every program for the H200 with XLA's GPU
-compiler (topology 1x1x8) and judges it against 141 GiB x 0.90 (the launcher's memory fraction): with the FP8
-cache and 16K prefill chunks every program fits (largest: a chunk, 127.6 of 136.3 GB; benchmarks/RESULTS.md).
+compiler (topology 1x1x8) and judges it against the H200's measured 150.75e9 B x 0.90 (the memory fraction the
+launcher sets): with the FP8 cache and 16K prefill chunks every program fits (largest: a chunk, 127.6 of 135.7 GB;
+modeled first candidate central 1,861 s, 1,591-2,603 s; benchmarks/RESULTS.md).
 Keys not set here keep configs/2m.py's values.
 """
 
@@ -27,7 +28,7 @@ def get_config():
     c.name = "online_grpo_2m_one_node"
     c.mesh = "folded=8"  # TP1 / CP8 / EP8 / PP1: one 8-way axis for the sequence and the experts, one host
     c.model.base_weights = "fp8"
-    c.plan.target = "h200"  # planned deviceless for 1x1x8 H200 (141 GiB each; the budget is 0.90 of it)
+    c.plan.target = "h200"  # planned deviceless for 1x1x8 H200 (150.75e9 B each, measured; the budget is 0.90 of it)
     # The decode / prefix cache's latent and indexer keys in e4m3 with per-row scales: 13.9 GB per device instead of
     # 25.0 (bf16), which the programs holding two caches (a chunk's cache in and out) and train need to fit. The
     # prefix cache's 16 GiB per device (configs/2m.py) keeps it: the next candidate recomputes only its tail.

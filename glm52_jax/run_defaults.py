@@ -177,9 +177,10 @@ def glm52_release(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     # device gets more than 2x the average takes a second pass (dropless).
     c.model.moe_receive_capacity = 2.0
     # The exchange as plain all_to_alls of 128-row chunks per destination (2 x the average), across hosts too. Planned
-    # on 4x8 H20 (benchmarks/RESULTS.md): whole-prompt prefill 213.8 s modeled, against 296.5 s for the ragged
-    # exchange through XLA's multi-host decomposer (it all-gathers every round's send rows across hosts) and 175 s
-    # for the exact ragged rows over NCCL send/recv (moe_cross_host=nccl, XLA's fallback, unverified on hardware).
+    # on 4x8 H20 (benchmarks/RESULTS.md), whole-prompt prefill: 2,187 GB across hosts per device, against 4,120 GB for
+    # the ragged exchange through XLA's multi-host decomposer (it all-gathers every round's send rows across hosts)
+    # and 1,220 GB for the exact ragged rows over NCCL send/recv (moe_cross_host=nccl, XLA's fallback, unverified on
+    # hardware).
     # A round whose fullest (source, destination) chunk exceeds 128 rows takes more passes: unmeasured on real routing.
     c.model.moe_transport = "dense"
     # Gather a layer's weights or keep them in place (tensor-parallel projections), from bytes per device on 32 H20s
