@@ -13,7 +13,8 @@ loaded. `--mode=train` runs `train.steps` transactions (rl/run.py); step k write
 settings are saved in WORKDIR/config.json when a run starts: a rerun on the workdir resumes after
 the last checkpoint with them (flags given then must not change the run; `train.steps` may grow),
 and export reads them. Errors are one line (`--debug` shows the traceback); Ctrl-C stops at once
-and says what was kept.
+and says what was kept, and so
+does SIGTERM (exit 143).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -114,10 +116,11 @@ def _explicit_overrides() -> dict:
 def _spec():
     """The run's settings: the config file + flags, or on a workdir with saved settings those + the
     flags given now (`--config=FILE` given again is compared whole)."""
-    from glm52_jax.run_config import RunSpec, check_rerun, load_saved_spec
+    from glm52_jax.run_config import RunSpec, check_rerun
+    from glm52_jax.workdir import saved_settings
 
     given = RunSpec.from_dict(FLAGS.config.to_dict())
-    saved = load_saved_spec(FLAGS.workdir) if FLAGS.workdir and FLAGS.mode in ("train", "parity", "export") else None
+    saved = saved_settings(FLAGS.workdir) if FLAGS.workdir and FLAGS.mode in ("train", "parity", "export") else None
     if saved is None:
         return given
     spec = given if FLAGS["config"].present else saved.replace(**_explicit_overrides())
@@ -266,6 +269,14 @@ def _one_line(error: BaseException) -> str | None:
     return None
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -327,6 +338,8 @@ def main(argv):
     # It also watches the other processes of a multi-process run (parallel/peer_watch.py): one that dies
     # stops this one within seconds, with a line naming it, instead of a hang in a collective.
     worker = threading.Thread(target=work, name="glm52-run", daemon=True)
+    # SIGTERM (what SLURM and Kubernetes send before a kill, e.g. on preemption) stops the run as Ctrl-C does.
+    signal.signal(signal.SIGTERM, _raise_terminated)
     worker.start()
 
     def kept() -> str:
@@ -344,10 +357,12 @@ def main(argv):
             lost = outcome["watch"].poll() if outcome.get("watch") is not None else None
             if lost is not None:
                 stop_for_dead_peer(lost)
-    except KeyboardInterrupt:
-        print(f"\ninterrupted: {kept()}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt as e:
+        terminated = isinstance(e, Terminated)
+        print(f"\n{'terminated (SIGTERM)' if terminated else 'interrupted'}: {kept()}", file=sys.stderr, flush=True)
         workdir_lib.release_held()
-        os._exit(130)  # evidence and checkpoints are written atomically: stopping mid-step loses nothing committed
+        # Evidence and checkpoints are written atomically: stopping mid-step loses nothing committed.
+        os._exit(143 if terminated else 130)
     if outcome.get("watch") is not None:
         watch = outcome["watch"]
         watch.finish(ok="error" not in outcome)

@@ -460,7 +460,8 @@ def load_saved_spec(workdir: str | os.PathLike) -> RunSpec | None:
         record = json.loads(path.read_text())
         return RunSpec.from_dict(record["config"])
     except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ConfigError(f"{path} is not a saved run config ({type(e).__name__}: {e}); restore it or use a fresh "
-                          "--workdir") from None
+        # Nothing keeps a second copy (receipts record only the settings' sha256): no "restore it".
+        raise ConfigError(f"{path} is not a saved run config ({type(e).__name__}: {e}) and no copy of it is kept; "
+                          "use a fresh --workdir") from None
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None

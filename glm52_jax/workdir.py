@@ -86,7 +86,7 @@ def release_held() -> None:
 def claim(spec: RunSpec, workdir: str | os.PathLike, command: Sequence[str]) -> Iterator[Path]:
     """Locks `workdir`, checks the settings against the saved ones, saves the current settings."""
     workdir = Path(workdir)
-    saved = load_saved_spec(workdir)
+    saved = saved_settings(workdir)
     if saved is not None:
         check_rerun(saved, spec, workdir)  # before the lock: a refused rerun writes nothing
     lock = acquire(workdir, command)
@@ -96,6 +96,22 @@ def claim(spec: RunSpec, workdir: str | os.PathLike, command: Sequence[str]) -> 
         yield workdir
     finally:
         release(lock)
+
+
+def has_committed_work(workdir: str | os.PathLike) -> bool:
+    """Whether a run on `workdir` committed anything: a checkpoint, a step receipt or a parity receipt."""
+    evidence = Path(workdir) / "evidence"
+    return bool(committed_steps(workdir)) or (evidence.is_dir() and (
+        any(evidence.glob("step_*/receipt.json")) or any(evidence.glob("gradient_parity_*.json"))))
+
+
+def saved_settings(workdir: str | os.PathLike) -> RunSpec | None:
+    """The settings a rerun on `workdir` must keep: the saved ones once something was committed with
+    them; None before that (a run that failed on its inputs leaves config.json behind, and the corrected
+    rerun may change anything, even when that file is broken)."""
+    if not has_committed_work(workdir):
+        return None
+    return load_saved_spec(workdir)
 
 
 def committed_steps(workdir: str | os.PathLike) -> list[int]:

@@ -58,6 +58,7 @@ def test_rerun_with_changed_settings_lists_the_keys(tmp_path):
     """A workdir with saved settings (as a run leaves it): flags that change them are refused by name."""
     workdir = tmp_path / "run"
     save_spec(config_spec("tiny", **{"train.steps": 2}), workdir, ["python", "-m", "glm52_jax.launch"])
+    (workdir / "checkpoints" / "1").mkdir(parents=True)  # a committed step binds the settings
     before = sorted(p.name for p in workdir.iterdir())
     done, seconds = _launch(f"--workdir={workdir}", "--config.train.learning_rate=0.5", "--config.train.steps=3")
     assert done.returncode == 1 and seconds < 30, done.stderr

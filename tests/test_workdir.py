@@ -32,6 +32,7 @@ def test_claim_saves_the_settings_and_refuses_other_ones(tmp_path):
     spec = config_spec("tiny")
     with workdir_lib.claim(spec, tmp_path / "w", ["cmd", "one"]) as w:
         assert (w / ".lock").exists() and (w / "config.json").exists()
+        (w / "checkpoints" / "1").mkdir(parents=True)  # as a committed step leaves it
     assert not (tmp_path / "w" / ".lock").exists()
     with workdir_lib.claim(spec.replace(**{"train.steps": 4}), tmp_path / "w", ["cmd", "two"]):
         pass
@@ -48,3 +49,29 @@ def test_kept_summary_reads_the_committed_steps(tmp_path):
         (tmp_path / "checkpoints" / name).mkdir(parents=True)
     assert workdir_lib.committed_steps(tmp_path) == [1, 2]
     assert "keeps committed steps up to 2 (receipts and checkpoint 2)" in workdir_lib.kept_summary(tmp_path)
+
+
+def test_settings_bind_only_once_something_was_committed(tmp_path):
+    """A run that failed on its inputs leaves config.json but committed nothing: the corrected rerun may
+    change any setting, even when that file is broken; after a commit the saved settings bind."""
+    w = tmp_path / "w"
+    spec = config_spec("tiny")
+    workdir_lib.save_spec(spec, w, ["cmd"])
+    changed = spec.replace(**{"train.learning_rate": 1e-3})
+    with workdir_lib.claim(changed, w, ["cmd", "fixed"]):
+        pass
+    assert workdir_lib.load_saved_spec(w) == changed
+    (w / "config.json").write_text('{"config": {"na')  # truncated, nothing committed: overwritten
+    with workdir_lib.claim(spec, w, ["cmd"]):
+        pass
+    assert workdir_lib.load_saved_spec(w) == spec
+    (w / "evidence" / "step_000001").mkdir(parents=True)
+    (w / "evidence" / "step_000001" / "receipt.json").write_text("{}")
+    assert workdir_lib.has_committed_work(w) and workdir_lib.saved_settings(w) == spec
+    with pytest.raises(ConfigError, match="train.learning_rate: saved 0.0001, now 0.001"):
+        with workdir_lib.claim(changed, w, ["cmd"]):
+            pass
+    (w / "config.json").write_text('{"config": {"na')
+    with pytest.raises(ConfigError, match=r"is not a saved run config \(JSONDecodeError: .*\) and no copy of it is "
+                                          "kept; use a fresh --workdir$"):
+        workdir_lib.saved_settings(w)

@@ -426,6 +426,27 @@ def test_ctrl_c_stops_at_once_and_says_what_was_kept(tmp_path):
     assert os.path.exists(workdir / "config.json")
 
 
+def test_sigterm_stops_like_ctrl_c(tmp_path):
+    """SIGTERM (what SLURM and Kubernetes send before a kill, e.g. on preemption) once the run holds its
+    workdir: exit 143 within seconds, one line saying what was kept, the lock released (cheap: sent as
+    soon as the lock exists, before the model loads)."""
+    workdir = tmp_path / "w"
+    proc = subprocess.Popen([sys.executable, "-m", "glm52_jax.launch", f"--workdir={workdir}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    deadline = time.monotonic() + 300
+    while not (workdir / ".lock").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+        time.sleep(0.02)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert time.monotonic() - start < 5, err
+    lines = [line for line in err.strip().splitlines() if line.startswith("terminated")]
+    assert proc.returncode == 143 and lines == [f"terminated (SIGTERM): {workdir} has no committed step; the next "
+                                                "launch starts from step 1"], err
+    assert "Traceback" not in err and not (workdir / ".lock").exists()
+
+
 def _payload(tmp_path, name, theta=10000.0, factor=2.0, original=65536, max_pos=131072):
     path = tmp_path / name
     path.write_text(json.dumps({"max_position_embeddings": max_pos, "rope_parameters": {
