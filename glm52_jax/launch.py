@@ -84,10 +84,36 @@ def _flag_error(error: Exception, argv: list[str]) -> str:
                 close = difflib.get_close_matches(key, known, n=1)
                 return f"unknown config key {key}" + (f" (did you mean {close[0]}?)" if close else "")
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    where = next((a.partition("=")[2] for a in argv if a.startswith("--config=")), str(ROOT / "configs" / "tiny.py"))
     if "Failed loading config file" in str(error) or "Error whilst parsing config file" in str(error):
-        where = next((a.partition("=")[2] for a in argv if a.startswith("--config=")), "")
         return f"--config={where}: the config file cannot be loaded ({lines[-1]})"  # the last line: the cause
+    if "get_config() returned" in str(error):
+        return f"--config={where}: {error}"
+    if (cause := _config_file_cause(error, where)) is not None:
+        return f"--config={where}: {cause}"
     return lines[0] if lines else type(error).__name__
+
+
+def _config_file_cause(error: BaseException, where: str) -> str | None:
+    """What went wrong inside the config file (a NameError in it, no `get_config`, a syntax error), or
+    None when `error` did not come from loading it: absl shows these without naming the file."""
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    path = os.path.realpath(where.partition(":")[0])
+    # ml_collections' ConfigFileFlagParser.parse imports the file, then calls its get_config().
+    loader = [f for f in frames if f.filename.endswith("config_flags.py") and f.name == "parse"]
+    if isinstance(error, AttributeError) and any("get_config" in (f.line or "") for f in loader[-1:]):
+        return "the config file defines no get_config() (it must return the run's ConfigDict)"
+    in_file = [f.lineno for f in frames if os.path.realpath(f.filename) == path]
+    if isinstance(error, SyntaxError) and error.filename and os.path.realpath(error.filename) == path:
+        in_file = [error.lineno]
+    if not loader or not in_file:
+        return None
+    line = in_file[-1]
+    text = error.msg if isinstance(error, SyntaxError) else str(error)
+    return (f"the config file cannot be loaded ({type(error).__name__}: {text}"
+            + (f", line {line})" if line is not None else ")"))
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
@@ -98,6 +124,8 @@ def _parse_flags(argv: list[str]) -> list[str]:
         config_flags.DEFINE_config_file("config", str(ROOT / "configs" / "tiny.py"),
                                         "config file (every key: glm52_jax/run_defaults.py)", lock_config=True)
         rest = FLAGS(argv)
+        if not hasattr(FLAGS.config, "to_dict"):
+            raise TypeError(f"get_config() returned {type(FLAGS.config).__name__}, not a ConfigDict")
         FLAGS.config.to_dict()  # config_flags loads the file on first use: fail here, not later
         return rest
     except Exception as e:

@@ -136,3 +136,19 @@ def test_forward_mode_says_what_it_compiles():
     assert "compiling jit(_token_logprobs)..." in lines
     assert any(line.startswith("compiled jit(_token_logprobs) in ") for line in lines)
     assert json.loads(done.stdout.strip().splitlines()[-1])["seq_len"] == 64
+
+
+@pytest.mark.parametrize("text,cause", [
+    ("def get_config():\n    return foo\n", "the config file cannot be loaded (NameError: name 'foo' is not defined, "
+                                           "line 2)"),
+    ("x = 1\n", "the config file defines no get_config() (it must return the run's ConfigDict)"),
+    ("def get_config(:\n", "the config file cannot be loaded (SyntaxError: invalid syntax, line 1)"),
+    ("def get_config():\n    return None\n", "get_config() returned NoneType, not a ConfigDict"),
+])
+def test_a_broken_config_file_is_named(tmp_path, text, cause):
+    """A config file that fails inside: one line naming the file (not absl's internal module name)."""
+    path = tmp_path / "my_config.py"
+    path.write_text(text)
+    done, _ = _launch(f"--config={path}", f"--workdir={tmp_path / 'w'}")
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == f"error: --config={path}: {cause}"
+    assert not (tmp_path / "w").exists()

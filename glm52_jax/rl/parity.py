@@ -30,7 +30,7 @@ import numpy as np
 
 from glm52_jax.rl import parity_cases, parity_metrics, parity_references, processes, settings
 from glm52_jax.rl.inputs import resolve
-from glm52_jax.rl.policy import build_policy, train_mesh
+from glm52_jax.rl.policy import build_policy, mesh_line, train_mesh
 from glm52_jax.rl.rewards.dapo import reward_rule
 from glm52_jax.rl.search import candidate_seeds, response_batch, search_group
 from glm52_jax.run_config import ConfigError, RunSpec
@@ -69,7 +69,7 @@ def run_parity(spec: RunSpec, workdir: str | Path, *, log: Callable[[str], None]
         model, optimizer = build_policy(spec, inputs, mesh)  # before the mesh is set, as train mode does
         if mesh is not None:
             stack.enter_context(jax.set_mesh(mesh))
-            log(f"mesh {mesh_spec.describe()} over {mesh_spec.size} {jax.devices()[0].platform} devices")
+            log(mesh_line(mesh_spec))
         artifacts = workdir / "evidence" / receipt_name(spec).removesuffix(".json")
         return _parity(inputs, model, optimizer, writer, artifacts, mesh_spec, log)
 

@@ -64,7 +64,24 @@ def train_mesh(spec: RunSpec):
     if mesh_spec.size == 1:
         return mesh_spec, None
     if jax.device_count() < mesh_spec.size:
-        raise ConfigError(f"--config.mesh={spec.mesh} needs {mesh_spec.size} devices, this process has "
-                          f"{jax.device_count()} ({jax.devices()[0].platform}); on CPU set "
-                          f"XLA_FLAGS=--xla_force_host_platform_device_count={mesh_spec.size}")
+        cpu = jax.devices()[0].platform == "cpu"
+        raise ConfigError(f"--config.mesh={spec.mesh} needs {mesh_spec.size} devices, the run has "
+                          f"{jax.device_count()} ({jax.devices()[0].platform}); give a --config.mesh of "
+                          f"{jax.device_count()} devices (the mesh may change on a rerun)"
+                          + (f", or on CPU XLA_FLAGS=--xla_force_host_platform_device_count={mesh_spec.size}"
+                             if cpu else ""))
+    if jax.process_count() > 1 and jax.device_count() != mesh_spec.size:
+        # A part of the devices would leave some processes without a device of the mesh.
+        raise ConfigError(f"--config.mesh={spec.mesh} covers {mesh_spec.size} of the {jax.device_count()} devices "
+                          f"of the {jax.process_count()} processes; a multi-process run's mesh must cover them all")
     return mesh_spec, mesh_spec.make(jax.devices()[:mesh_spec.size])
+
+
+def mesh_line(mesh_spec) -> str:
+    """The progress line naming the mesh, and the devices it leaves idle (a mesh smaller than the machine
+    is allowed on one process, but never silent)."""
+    import jax
+
+    n, platform = jax.device_count(), jax.devices()[0].platform
+    idle = f"; {n - mesh_spec.size} of the {n} devices stay idle" if n > mesh_spec.size else ""
+    return f"mesh {mesh_spec.describe()} over {mesh_spec.size} {platform} devices{idle}"

@@ -207,7 +207,7 @@ def end_summary(result: dict[str, Any], workdir: Path) -> list[str]:
 
 def _run(inputs: RunInputs, workdir: Path, mesh_spec, mesh, log) -> dict[str, Any]:
     from glm52_jax.checkpoint.train_state import RunCheckpoints
-    from glm52_jax.rl.policy import build_policy
+    from glm52_jax.rl.policy import build_policy, mesh_line
 
     spec = inputs.spec
     expect = {"config_sha256": spec.resume_sha256(), "base": spec.model.base_name}
@@ -239,7 +239,7 @@ def _run(inputs: RunInputs, workdir: Path, mesh_spec, mesh, log) -> dict[str, An
         model, optimizer = build_policy(spec, inputs, mesh, init_adapter=not latest)  # a resume restores
         if mesh is not None:  # every program below is traced and run on the mesh
             stack.enter_context(jax.set_mesh(mesh))
-            console.line(f"mesh {mesh_spec.describe()} over {mesh_spec.size} {jax.devices()[0].platform} devices")
+            console.line(mesh_line(mesh_spec))
         scalars = None
         if processes.is_writer():
             from glm52_jax.rl.tensorboard import ScalarWriter

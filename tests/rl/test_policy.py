@@ -159,3 +159,16 @@ def test_a_megatron_lora_run_computes_what_the_peft_run_computes(adapter, tmp_pa
         run_online(spec, tmp_path / name, log=lambda msg: None)
         receipts.append(receipt_file(tmp_path / name / "evidence" / "step_000001"))
     assert result_differences(*receipts, ignore=("model.init_adapter",)) == []
+
+
+def test_a_mesh_smaller_than_the_machine_is_named_and_a_larger_one_refused():
+    """`--config.mesh=context=3` on 8 devices runs on 3 of them and says that 5 stay idle; a mesh of more
+    devices than the run has names a mesh that fits (the mesh may change on a rerun)."""
+    from glm52_jax.rl.policy import mesh_line, train_mesh
+
+    mesh_spec, mesh = train_mesh(config_spec("tiny", mesh="context=3"))
+    assert mesh.devices.size == 3
+    assert mesh_line(mesh_spec) == (f"mesh {mesh_spec.describe()} over 3 cpu devices; 5 of the 8 devices stay idle")
+    with pytest.raises(ConfigError, match=r"^--config.mesh=context=16 needs 16 devices, the run has 8 \(cpu\); give a "
+                                          r"--config.mesh of 8 devices \(the mesh may change on a rerun\), or on CPU"):
+        train_mesh(config_spec("tiny", mesh="context=16"))
