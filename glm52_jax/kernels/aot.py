@@ -63,16 +63,25 @@ def missing() -> str | None:
     """What is missing for deviceless compiles (None when they can run)."""
     needed = (("jax_plugins.xla_cuda12", "jax-cuda12-plugin"), ("nvidia.cuda_nvcc", "nvidia-cuda-nvcc-cu12"))
     for module, package in needed:
-        if importlib.util.find_spec(module) is None:
+        if not installed(module):
             return f"{package} is not installed (pip install -e '.[gpu-aot]')"
     if not (nvcc_dir() / "bin" / "ptxas").exists():
         return f"ptxas not found under {nvcc_dir()}"
     return None
 
 
+def installed(module: str) -> bool:
+    """Whether dotted `module` can be imported; False (not ModuleNotFoundError) when its parent package is
+    missing too, as `jax_plugins` and `nvidia` are on the light install (`pip install -e .`)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def nvcc_dir() -> Path:
     """The pip CUDA compiler wheel's directory (bin/ptxas, nvvm/libdevice)."""
-    spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    spec = importlib.util.find_spec("nvidia.cuda_nvcc") if installed("nvidia.cuda_nvcc") else None
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("nvidia-cuda-nvcc-cu12 is not installed (pip install -e '.[gpu-aot]')")
     return Path(next(iter(spec.submodule_search_locations)))

@@ -77,3 +77,26 @@ def test_check_target():
     targets.check_target("cpu")
     with pytest.raises(ConfigError, match=r"--config.plan.target=tpu: must be one of cpu, h20, h200"):
         targets.check_target("tpu")
+
+
+def test_a_gpu_target_on_the_light_install_is_the_one_line_hint():
+    """On `pip install -e .` neither `jax_plugins` nor `nvidia` exists: finding their submodules raises
+    ModuleNotFoundError, which must become the hint, not a traceback. Run where both are hidden."""
+    hide = ("import sys, importlib.abc\n"
+            "class Hide(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in ('jax_plugins', 'nvidia'):\n"
+            "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+            "sys.meta_path.insert(0, Hide())\n"
+            "from glm52_jax.kernels import aot\n"
+            "from glm52_jax.plan import targets\n"
+            "from glm52_jax.run_config import ConfigError\n"
+            "assert not aot.installed('jax_plugins.xla_cuda12')\n"
+            "try:\n"
+            "    targets.check_target('h20')\n"
+            "except ConfigError as e:\n"
+            "    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, check=True,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert done.stdout.strip() == targets.unavailable_message(
+        "h20", "jax-cuda12-plugin is not installed (pip install -e '.[gpu-aot]')"), done.stderr
