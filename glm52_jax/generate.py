@@ -3,7 +3,8 @@
     python -m glm52_jax.generate --checkpoint DIR (--prompt TEXT | --prompt_ids 1,2,3) \
         --max_new_tokens N --temperature T --top_p P --seed S [--num_samples G] [--chat]
 
-`--prompt` needs a `tokenizer.json` in DIR (or `--tokenizer PATH`); `--chat` wraps it in the chat
+`--prompt` needs a `tokenizer.json` in DIR (or `--tokenizer PATH`; the shipped glm52_jax/assets/tiny_policy
+uses the package's tokenizer); `--chat` wraps it in the chat
 template the tokenizer's directory or DIR ships (`chat_template.jinja` / tokenizer_config.json), else
 the hand-written GLM layout. A random tiny model works too: point --checkpoint at a `save_pretrained` directory.
 """
@@ -14,6 +15,7 @@ import json
 import os
 import sys
 
+import numpy as np
 from absl import app, flags
 
 FLAGS = flags.FLAGS
@@ -39,6 +41,18 @@ def _ids(text: str, flag: str) -> list[int]:
         raise app.UsageError(f"--{flag} must be comma-separated integers, got {text!r}") from None
 
 
+def _default_tokenizer(checkpoint: str) -> str:
+    """DIR/tokenizer.json; for the policy the package ships (glm52_jax/assets/tiny_policy), which has none of
+    its own, the package's tokenizer, as a run with it uses."""
+    from glm52_jax.rollout.tokenizer import default_tokenizer_path
+    from glm52_jax.run_config import EMBEDDED_POLICY
+
+    own = os.path.join(checkpoint, "tokenizer.json")
+    if not os.path.exists(own) and os.path.realpath(checkpoint) == os.path.realpath(EMBEDDED_POLICY):
+        return str(default_tokenizer_path())
+    return own
+
+
 def main(argv):
     del argv
     from glm52_jax.parallel.distributed import default_to_cpu_without_a_gpu
@@ -48,7 +62,7 @@ def main(argv):
         raise app.UsageError("--checkpoint is required")
     if (FLAGS.prompt is None) == (FLAGS.prompt_ids is None):
         raise app.UsageError("give exactly one of --prompt and --prompt_ids")
-    tok_path = FLAGS.tokenizer or os.path.join(FLAGS.checkpoint, "tokenizer.json")
+    tok_path = FLAGS.tokenizer or _default_tokenizer(FLAGS.checkpoint)
     tokenizer = None
     if os.path.exists(tok_path):
         from glm52_jax.rollout.chat_template import find_chat_template
@@ -88,6 +102,10 @@ def main(argv):
     samples = []
     for i in range(params.num_samples):
         ids = res.completion(i)
+        if not np.isfinite(res.logprobs[i, : len(ids)]).all():  # JSON has no NaN: say it, print nothing
+            print(f"error: sample {i} has non-finite log-probs (the checkpoint {FLAGS.checkpoint} holds non-finite "
+                  "weights, or the dtype overflows)", file=sys.stderr)
+            raise SystemExit(1)
         sample = {"tokens": ids, "logprobs": [float(x) for x in res.logprobs[i, : len(ids)]],
                   "finish_reason": res.finish_reasons[i]}
         if tokenizer is not None:

@@ -62,3 +62,32 @@ def test_bad_input_exits_with_message(ckpt):
     assert res.returncode == 2 and "top_p must be in (0, 1]" in res.stderr
     res = _run(f"--checkpoint={ckpt}", "--prompt_ids=1,x")
     assert res.returncode != 0 and "comma-separated integers" in res.stderr
+
+
+def test_the_shipped_policy_needs_no_tokenizer_flag(ckpt):
+    """`--checkpoint glm52_jax/assets/tiny_policy` (which ships no tokenizer.json): the package's tokenizer,
+    as a run with it uses; another checkpoint's own tokenizer.json stays the default."""
+    from glm52_jax.generate import _default_tokenizer
+    from glm52_jax.run_config import EMBEDDED_POLICY
+
+    assert not (EMBEDDED_POLICY / "tokenizer.json").exists()
+    assert _default_tokenizer("glm52_jax/assets/tiny_policy") == str(default_tokenizer_path())
+    assert _default_tokenizer(str(ckpt)) == str(ckpt / "tokenizer.json")
+
+
+@pytest.mark.slow  # ~12 s on a quiet machine: a subprocess loads and compiles the sampler
+def test_non_finite_weights_are_an_error_not_invalid_json(ckpt, tmp_path):
+    """A NaN in one weight: one error line naming the checkpoint, exit 1, no JSON with a bare NaN."""
+    from safetensors.numpy import load_file, save_file
+
+    broken = tmp_path / "nan"
+    shutil.copytree(ckpt, broken)
+    [shard] = broken.glob("*.safetensors")
+    tensors = load_file(shard)
+    name = next(k for k in tensors if k.endswith("q_b_proj.weight"))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    res = _run(f"--checkpoint={broken}", "--prompt_ids=7,8", "--max_new_tokens=1")
+    assert res.returncode == 1 and res.stdout == "", res.stdout
+    assert res.stderr.strip().splitlines()[-1] == (f"error: sample 0 has non-finite log-probs (the checkpoint {broken} "
+                                                   "holds non-finite weights, or the dtype overflows)")
