@@ -34,6 +34,10 @@ SAVED_CONFIG = "config.json"
 # Keys a rerun on an existing workdir may change: how many transactions to run, how many checkpoints to keep,
 # and settings of other modes (plan, parity) that a training run does not read. Everything else is the run itself.
 MAY_CHANGE = ("train.steps", "checkpoint.keep", "plan.", "parity.", "export.")
+# The topology may change on a rerun too (8 devices -> 32, one node -> one CPU): checkpoints restore onto
+# the current mesh. Kept out of MAY_CHANGE because `resume_sha256` (in committed receipts) covers it; a resume
+# compares the checkpoint's hash with the current settings on the mesh it was saved with (`on_mesh`).
+TOPOLOGY = ("mesh",)
 
 
 class ConfigError(ValueError):
@@ -409,6 +413,14 @@ class RunSpec:
         return config_hash({k: v for k, v in flatten(self.to_dict()).items() if not may_change(k)})
 
 
+def checkpoint_expect(spec: RunSpec, saved_meta: Mapping[str, Any]) -> dict[str, Any]:
+    """What a checkpoint's meta must hold to belong to the run `spec` describes, on whatever mesh it was
+    saved on (`mesh` in its meta; a checkpoint without it was saved on `spec.mesh`, as reruns then required)."""
+    saved_mesh = saved_meta.get("mesh", spec.mesh)
+    on_saved = spec if saved_mesh == spec.mesh else spec.replace(mesh=saved_mesh)
+    return {"config_sha256": on_saved.resume_sha256(), "base": spec.model.base_name}
+
+
 def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """`{"train": {"steps": 1}}` -> `{"train.steps": 1}`."""
     out: dict[str, Any] = {}
@@ -432,11 +444,11 @@ def differences(saved: RunSpec, new: RunSpec) -> list[tuple[str, Any, Any]]:
 
 def check_rerun(saved: RunSpec, new: RunSpec, workdir: str | os.PathLike) -> None:
     """Refuses a rerun on `workdir` that changes settings other than the `MAY_CHANGE` ones."""
-    fixed = [d for d in differences(saved, new) if not may_change(d[0])]
+    fixed = [d for d in differences(saved, new) if not may_change(d[0]) and d[0] not in TOPOLOGY]
     if fixed:
         listed = "; ".join(f"{k}: saved {_show(a)}, now {_show(b)}" for k, a, b in fixed)
-        raise ConfigError(f"{workdir} was run with other settings ({listed}). Only "
-                          f"{', '.join(m + '*' if m.endswith('.') else m for m in MAY_CHANGE)} may change on a "
+        free = ", ".join(m + "*" if m.endswith(".") else m for m in MAY_CHANGE + TOPOLOGY)
+        raise ConfigError(f"{workdir} was run with other settings ({listed}). Only {free} may change on a "
                           "rerun; drop those flags to reuse the saved config, or use a fresh --workdir")
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -51,9 +52,30 @@ def _pure_lora(model: nnx.Module) -> dict:
     return nnx.to_pure_dict(nnx.state(model, LoRA))
 
 
-def _abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-                        tree)
+def _abstract(tree, home: jax.sharding.Sharding | None = None):
+    """The restore target of `tree`: its shapes, dtypes and shardings, where a one-device array (an optimizer
+    step count, made outside jit) goes to `home` instead (the mesh's replicated sharding: a committed array on
+    device 0 would not mix with the mesh's arrays in one program)."""
+    def one(x):
+        sharding = getattr(x, "sharding", None)
+        if home is not None and isinstance(sharding, jax.sharding.SingleDeviceSharding):
+            sharding = home
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return jax.tree.map(one, tree)
+
+
+def _key_sharding(lora: dict) -> jax.sharding.Sharding:
+    """Where this topology keeps the run's RNG key: replicated over every device of several processes (as
+    `replicated_global` saves it); in one process, replicated over the devices the adapters live on (the
+    run's mesh, which the key's splits run on), or on the adapters' one device."""
+    if jax.process_count() > 1:
+        mesh = jax.sharding.Mesh(np.array(jax.devices()), ("all",))
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    sharding = jax.tree.leaves(lora)[0].sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)))
 
 
 class RunCheckpoints:
@@ -95,8 +117,7 @@ class RunCheckpoints:
 
         A mismatch raises `CheckpointMismatchError`: the directory holds another run's state.
         """
-        with self._readable(step):
-            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        meta = self.read_meta(step)
         wrong = {k: (meta.get(k), v) for k, v in expect.items() if meta.get(k) != v}
         if wrong:
             details = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in sorted(wrong.items()))
@@ -104,17 +125,26 @@ class RunCheckpoints:
                                           f"({details}); use a fresh workdir")
         return meta
 
+    def read_meta(self, step: int) -> dict[str, Any]:
+        """Step `step`'s meta record (JSON), unchecked."""
+        with self._readable(step):
+            return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
     def restore(self, step: int, model: nnx.Module, optimizer) -> RunState:
         """Loads step `step` into `model`'s adapters and `optimizer`; returns the run state.
 
         The adapters' and optimizer's current trees give the expected shapes and dtypes, so a
-        checkpoint of other adapters fails in Orbax before anything is replaced.
+        checkpoint of other adapters fails in Orbax before anything is replaced, and their current
+        shardings the placement: a step saved on N devices / P processes restores onto this mesh (M / Q).
+        The RNG key, which Orbax would put back on the devices that saved it, is placed here too.
         """
+        lora = _pure_lora(model)
+        home = _key_sharding(lora)
         with self._readable(step):
             restored = self._manager.restore(step, args=ocp.args.Composite(
-                lora=ocp.args.StandardRestore(_abstract(_pure_lora(model))),
-                optimizer=ocp.args.StandardRestore(_abstract(replicated_global(optimizer.opt_state))),
-                rng=ocp.args.JaxRandomKeyRestore(),
+                lora=ocp.args.StandardRestore(_abstract(lora)),
+                optimizer=ocp.args.StandardRestore(_abstract(replicated_global(optimizer.opt_state), home)),
+                rng=ocp.args.JaxRandomKeyRestore(ocp.ArrayRestoreArgs(sharding=home)),
                 meta=ocp.args.JsonRestore(),
             ))
         meta = restored["meta"]

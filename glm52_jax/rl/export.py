@@ -37,7 +37,7 @@ from glm52_jax.evidence.hashing import sha256_file
 from glm52_jax.rl import processes
 from glm52_jax.rl.inputs import native_model_config, resolve
 from glm52_jax.rl.policy import build_policy, train_mesh
-from glm52_jax.run_config import ConfigError, RunSpec
+from glm52_jax.run_config import ConfigError, RunSpec, checkpoint_expect
 
 RECORD = "export.json"
 
@@ -61,7 +61,7 @@ def export_run(spec: RunSpec, workdir: str | os.PathLike, *, export_dir: str | o
     step = steps[-1] if step is None else step
     if step not in steps:
         raise ConfigError(f"export: --export_step={step} is not among the committed steps {steps}")
-    ckpts.check_meta(step, {"config_sha256": spec.resume_sha256(), "base": spec.model.base_name})
+    ckpts.check_meta(step, checkpoint_expect(spec, ckpts.read_meta(step)))  # saved on any mesh
     out = Path(export_dir) if export_dir is not None else workdir / "export" / f"step_{step}"
     holder, refusal = _staging_holder(out) if processes.is_writer() else (None, None)
     try:

@@ -25,7 +25,7 @@ from typing import Any
 from glm52_jax.rl import processes, settings
 from glm52_jax.rl.inputs import RunInputs, resolve
 from glm52_jax.rl.progress import Console
-from glm52_jax.run_config import RunSpec
+from glm52_jax.run_config import RunSpec, checkpoint_expect
 
 STEP_DIR = "step_{:06d}"
 _STEP_RE = re.compile(r"step_(\d{6})")
@@ -210,11 +210,12 @@ def _run(inputs: RunInputs, workdir: Path, mesh_spec, mesh, log) -> dict[str, An
     from glm52_jax.rl.policy import build_policy, mesh_line
 
     spec = inputs.spec
-    expect = {"config_sha256": spec.resume_sha256(), "base": spec.model.base_name}
+    # The mesh saved with each step lets a rerun on another topology check the rest of the settings.
+    expect = {"config_sha256": spec.resume_sha256(), "base": spec.model.base_name, "mesh": spec.mesh}
     ckpts = RunCheckpoints(workdir / "checkpoints", max_to_keep=spec.checkpoint.keep)
     latest = ckpts.latest_step() or 0
-    if latest:
-        ckpts.check_meta(latest, expect)  # another run's checkpoints: refuse before building anything
+    if latest:  # another run's checkpoints: refuse before building anything
+        ckpts.check_meta(latest, checkpoint_expect(spec, ckpts.read_meta(latest)))
     if latest >= spec.train.steps:
         log(f"run in {workdir} is complete: step {latest} of train.steps={spec.train.steps}; nothing to do")
         return {"workdir": str(workdir), "steps_run": 0, "last_step": latest, "status": "complete", "steps": []}
