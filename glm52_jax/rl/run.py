@@ -190,6 +190,15 @@ def banner(spec: RunSpec, workdir: Path, mesh_spec) -> str:
             f"{t.gradient_mode}, LoRA rank {m.lora_rank}, lr {t.learning_rate}; {t.steps} step(s)")
 
 
+def _reward_mean(result: dict[str, Any], scalars: dict[str, Any]) -> str:
+    """The accepted group's reward mean (what the update trained on), with the search's over every sample tried."""
+    tried = f"{scalars.get('reward_mean', float('nan')):.3g} over all {scalars.get('candidates_tried', '?')} tried"
+    group = result.get("accepted_rewards")
+    if not group:
+        return f", reward mean {tried}"
+    return f", reward mean {sum(group) / len(group):.3g} (accepted group; {tried})"
+
+
 def end_summary(result: dict[str, Any], workdir: Path) -> list[str]:
     """The end-of-run lines: what the last step accepted and trained, where its receipt is, how to verify."""
     scalars = result.get("scalars", {})
@@ -197,7 +206,7 @@ def end_summary(result: dict[str, Any], workdir: Path) -> list[str]:
     lines = [f"done: step {result['step']} {result['status']}; "
              + (f"accepted candidate {accepted} of {scalars.get('candidates_tried', '?')}" if accepted is not None
                 else f"no mixed-reward group in {scalars.get('candidates_tried', '?')} candidates")
-             + f", reward mean {scalars.get('reward_mean', float('nan')):.3g}"
+             + _reward_mean(result, scalars)
              + (f", loss {scalars['loss']:.6g}, grad norm {scalars['grad_norm']:.4g}" if "loss" in scalars else ""),
              f"receipt: {result['receipt']}",
              f"verify: python -m glm52_jax.evidence verify {result['receipt']}",

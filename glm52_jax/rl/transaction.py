@@ -251,4 +251,5 @@ def run_transaction(inputs: RunInputs, *, step: int, step_key, cursor: int, mode
         receipt = writer.commit(fields)
         log(f"step {step} receipt: {receipt}")
     return {"step": step, "receipt": str(receipt), "status": training["status"], "candidates": len(candidates),
-            "accepted": None if accepted is None else accepted.index, "training": training, "scalars": scalars}
+            "accepted": None if accepted is None else accepted.index, "training": training, "scalars": scalars,
+            "accepted_rewards": None if accepted is None else [float(r) for r in accepted.rewards]}

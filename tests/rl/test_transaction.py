@@ -22,7 +22,7 @@ from glm52_jax.evidence import deterministic_view, verify
 from glm52_jax.evidence.publish import result_differences
 from glm52_jax.rl.inputs import resolve
 from glm52_jax.rl.progress import Console
-from glm52_jax.rl.run import decode_progress, prefill_progress, run_online
+from glm52_jax.rl.run import decode_progress, end_summary, prefill_progress, run_online
 from glm52_jax.rollout.tokenizer import ChatTemplate, default_tokenizer_path
 from glm52_jax.run_config import EMBEDDED_POLICY, ConfigError
 from tests.run_helpers import ROOT, config_spec, readme_commands
@@ -297,6 +297,8 @@ def test_console_names_the_run_and_ends_with_how_to_verify_it(runs):
     accepted = json.loads(receipt.read_text())["candidate_search"]["accepted"]
     done = next(i for i, line in enumerate(lines) if line.startswith("done: "))
     assert lines[done].startswith(f"done: step 3 updated; accepted candidate {accepted} of "), lines[done:]
+    group = json.loads(receipt.read_text())["rewards"][accepted]  # the update's group, not every candidate tried
+    assert f", reward mean {np.mean(group):.3g} (accepted group; " in lines[done], lines[done]
     assert lines[done + 1:done + 3] == [f"receipt: {receipt}", f"verify: python -m glm52_jax.evidence verify {receipt}"]
     assert "Skipping merge of OCDBT" not in err
 
@@ -811,3 +813,13 @@ def test_a_step_saved_on_one_device_resumes_on_a_mesh(inproc, tmp_path):
     assert verify(_receipt(workdir, 2)) == []
     assert result_differences(_receipt(source, 2), _receipt(workdir, 2),
                               ignore=("topology", "config.sha256", "config.resume_sha256")) == []
+
+
+def test_the_end_summary_gives_the_accepted_groups_reward_mean(tmp_path):
+    """The update trains on the accepted group: its reward mean leads, the mean over every candidate tried follows."""
+    result = {"step": 1, "status": "updated", "accepted": 1, "accepted_rewards": [1.0, -1.0, 1.0, 1.0],
+              "receipt": "r.json", "scalars": {"candidates_tried": 2, "reward_mean": 0.75, "loss": 0.5, "grad_norm": 2}}
+    assert end_summary(result, tmp_path)[0] == ("done: step 1 updated; accepted candidate 1 of 2, reward mean 0.5 "
+                                               "(accepted group; 0.75 over all 2 tried), loss 0.5, grad norm 2")
+    none = {**result, "status": "skipped", "accepted": None, "accepted_rewards": None}
+    assert ", reward mean 0.75 over all 2 tried, loss" in end_summary(none, tmp_path)[0]
