@@ -243,6 +243,15 @@ def unfit_message(result: dict) -> str | None:
             "the plan")
 
 
+def start_banner(spec, workdir: str, mode: str, *, step: int | None = None, export_dir: str | None = None) -> str:
+    """The first line of an export or parity run (train mode has its own): what it reads and writes, on which mesh."""
+    m = spec.model
+    what = (f"export of run {spec.name!r} in {workdir}: checkpoint step {step if step is not None else '(latest)'} -> "
+            f"{export_dir or f'{workdir}/export/step_<k>'}" if mode == "export" else
+            f"parity of {spec.name!r} in {workdir}: gradient modes compared on one rollout")
+    return f"{what}; model {m.base_name} ({m.dtype}), mesh {spec.mesh_spec().describe()}"
+
+
 def _run_mode(spec, workdir: str | None) -> dict:
     if FLAGS.mode in ("plan", "train"):  # plan names each program it compiles; train installs its own, with phases
         return _dispatch(spec, workdir)
@@ -264,11 +273,13 @@ def _dispatch(spec, workdir: str | None) -> dict:
 
         if not workdir:
             raise ConfigError("--mode=export needs --workdir (the run to export)")
+        _log(start_banner(spec, workdir, "export", step=FLAGS.export_step, export_dir=FLAGS.export_dir))
         record = export_run(spec, workdir, export_dir=FLAGS.export_dir, step=FLAGS.export_step)
         return {k: record[k] for k in ("export_dir", "step", "base")}
     if FLAGS.mode == "parity":
         from glm52_jax.rl.parity import run_parity
 
+        _log(start_banner(spec, workdir, "parity"))
         return run_parity(spec, workdir, log=_log, command=command)
     from glm52_jax.rl.run import run_online
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from glm52_jax.launch import unfit_message
+from glm52_jax.launch import start_banner, unfit_message
 from glm52_jax.run_config import save_spec
 from tests.run_helpers import ROOT, config_spec
 
@@ -152,3 +152,15 @@ def test_a_broken_config_file_is_named(tmp_path, text, cause):
     done, _ = _launch(f"--config={path}", f"--workdir={tmp_path / 'w'}")
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == f"error: --config={path}: {cause}"
     assert not (tmp_path / "w").exists()
+
+
+def test_export_and_parity_start_with_a_banner():
+    spec = config_spec("tiny")
+    mesh = spec.mesh_spec().describe()
+    assert start_banner(spec, "/r", "export", step=None) == (
+        f"export of run 'online_grpo_tiny' in /r: checkpoint step (latest) -> /r/export/step_<k>; model "
+        f"{spec.model.base_name} ({spec.model.dtype}), mesh {mesh}")
+    assert start_banner(spec, "/r", "export", step=2, export_dir="/out").startswith(
+        "export of run 'online_grpo_tiny' in /r: checkpoint step 2 -> /out; ")
+    assert start_banner(spec, "/r", "parity").startswith(
+        "parity of 'online_grpo_tiny' in /r: gradient modes compared on one rollout; model ")
