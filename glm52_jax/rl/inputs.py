@@ -210,12 +210,27 @@ class RunInputs:
         return row, exact_prompt(self.tokenizer, row, self.spec.data.prompt_tokens)
 
 
+def check_weights(model: ModelSpec) -> None:
+    """The checkpoint's weight files, header by header, before anything loads them (a config error naming
+    the file, not a loader traceback); nothing to check for the embedded policy's or a random base."""
+    from glm52_jax.checkpoint.hf_check import CheckpointFilesError, check_weight_files
+
+    path = model.checkpoint_path
+    if path is None or not Path(path).is_dir():
+        return
+    try:
+        check_weight_files(path)
+    except CheckpointFilesError as e:
+        raise ConfigError(f"--config.model.checkpoint={model.checkpoint}: {e}") from None
+
+
 def resolve(spec: RunSpec, *, data: bool = True) -> RunInputs:
     """Checks the files a run needs and resolves them (no model is built). `data=False`: model only."""
     from glm52_jax.rl.data import load_rows
 
     model_cfg, scaling, scaling_source, _ = model_config(spec.model)
     check_capacity(model_cfg, spec, scaling_source)
+    check_weights(spec.model)
     if not data:
         return RunInputs(spec, model_cfg, scaling, None, [], [])
     try:
