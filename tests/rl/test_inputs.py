@@ -19,10 +19,12 @@ THINKING = ("{{ bos_token }}<sop>{% for m in messages %}<|{{ m.role }}|>\n{{ m.c
 
 
 def _checkpoint(tmp_path, template=None):
-    """A checkpoint directory as far as `resolve` reads one: config.json (+ a chat template); no weights."""
+    """A checkpoint directory as far as `resolve` reads one: config.json (+ a chat template), and the weights
+    file whose header `resolve` checks (a link to the shipped policy's)."""
     directory = tmp_path / "ckpt"
     directory.mkdir()
     shutil.copy(EMBEDDED_POLICY / "config.json", directory / "config.json")
+    (directory / "model.safetensors").symlink_to(EMBEDDED_POLICY / "model.safetensors")
     (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "[gMASK]"}))
     if template is not None:
         (directory / "chat_template.jinja").write_text(template)
