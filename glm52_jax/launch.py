@@ -295,13 +295,14 @@ def _one_line(error: BaseException) -> str | None:
     from glm52_jax.evidence.receipt import EvidenceError
     from glm52_jax.kernels.aot import SharedMemoryError
     from glm52_jax.parallel.placement import ReplicatedArrayError
+    from glm52_jax.rl.numerics import NonFiniteError
     from glm52_jax.rl.processes import ProcessDivergenceError
     from glm52_jax.run_config import ConfigError
 
     kinds = {ConfigError: "config error", CheckpointMismatchError: "resume error",
              CheckpointCorruptError: "checkpoint error", EvidenceError: "evidence error",
              ProcessDivergenceError: "process error", ReplicatedArrayError: "audit error",
-             SharedMemoryError: "plan error"}
+             SharedMemoryError: "plan error", NonFiniteError: "numerics error"}
     for kind, label in kinds.items():
         if isinstance(error, kind):
             return f"{label}: {error}"

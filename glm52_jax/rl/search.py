@@ -13,6 +13,7 @@ import numpy as np
 from glm52_jax.rl import processes
 from glm52_jax.rl.group import choose_group
 from glm52_jax.rl.inputs import RunInputs, exact_prompt
+from glm52_jax.rl.numerics import check_sampled
 from glm52_jax.rl.samples import REQUEST_CANDIDATE, REQUEST_PROBE, jsonl_bytes, request_records
 from glm52_jax.rl.settings import sampling_params
 
@@ -100,6 +101,7 @@ def search_group(inputs: RunInputs, cursor: int, seeds: list[int], sampler, *, s
     for i in range(spec.search.max_candidates):
         row, prompt = inputs.candidate(cursor, i)
         res = sampler.sample(prompt, sampling_params(spec.sampling, stop_ids, seeds[i]))
+        check_sampled(f"step {step} candidate {i}", res.logprobs, res.lengths)  # before a NaN steers the search
         texts = _texts(inputs, res)
         records = request_records(REQUEST_CANDIDATE, i, row.index, prompt, seeds[i], res, texts)
         if samples is not None:

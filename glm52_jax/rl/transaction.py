@@ -48,6 +48,7 @@ def update(inputs: RunInputs, model, optimizer, sampler, accepted: Accepted) -> 
 
     from glm52_jax.parallel.placement import to_host
     from glm52_jax.rl.gradients import cached_response_logprobs_jit, prefix_for_response
+    from glm52_jax.rl.numerics import NonFiniteError, all_finite
     from glm52_jax.rl.update import NonFiniteGradientError, grpo_update
 
     spec = inputs.spec
@@ -63,9 +64,8 @@ def update(inputs: RunInputs, model, optimizer, sampler, accepted: Accepted) -> 
         upd = grpo_update(model, optimizer, np.asarray(prompt, np.int32), responses, mask, res.logprobs, advantages,
                           mode=mode, loss=loss_settings(spec.train),
                           prefix_cache=prefix if mode == "response_only" else None)
-    except NonFiniteGradientError as e:
-        return ({"status": "aborted_nonfinite", "optimizer_steps": 0, "mode": mode},
-                {"finite": False, "error": str(e)}, {}, {})
+    except NonFiniteGradientError as e:  # stops the step: nothing of it is committed
+        raise NonFiniteError(f"{e}; the step was not committed") from None
     sampler.policy_updated()  # cached prompt KV and the sampler's weights are now stale
     # The updated adapters on the responses, the prompt's KV from the sampling policy (response_only's view of
     # the new policy): one pass over R tokens per sample, not a forward over G x (P + R) tokens.
@@ -78,7 +78,9 @@ def update(inputs: RunInputs, model, optimizer, sampler, accepted: Accepted) -> 
                 "grads_sha256": sha256_bytes(state_bytes(upd.grads)), "advantages": advantages.tolist(),
                 "group_samples": accepted.samples,
                 "new_logprobs": "updated adapters on the responses, prompt KV of the sampling policy"}
-    numerics = {"finite": bool(np.isfinite(loss) and np.isfinite(new_logprobs).all())}
+    numerics = {"finite": all_finite({"loss": loss, "grad_norm": training["grad_norm"], "new_logprobs": new_logprobs,
+                                      "old_logprobs": res.logprobs, "advantages": advantages,
+                                      "rewards": accepted.rewards})}
     arrays = {"new_logprobs.npy": new_logprobs, "responses.npy": responses, "response_mask.npy": mask}
     settings = loss_settings(spec.train)
     scalars = {"loss": loss, "grad_norm": training["grad_norm"],
