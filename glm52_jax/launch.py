@@ -294,6 +294,7 @@ def _one_line(error: BaseException) -> str | None:
     from glm52_jax.checkpoint.train_state import CheckpointCorruptError, CheckpointMismatchError
     from glm52_jax.evidence.receipt import EvidenceError
     from glm52_jax.kernels.aot import SharedMemoryError
+    from glm52_jax.parallel.distributed import CoordinatorError
     from glm52_jax.parallel.placement import ReplicatedArrayError
     from glm52_jax.rl.numerics import NonFiniteError
     from glm52_jax.rl.processes import ProcessDivergenceError
@@ -302,7 +303,8 @@ def _one_line(error: BaseException) -> str | None:
     kinds = {ConfigError: "config error", CheckpointMismatchError: "resume error",
              CheckpointCorruptError: "checkpoint error", EvidenceError: "evidence error",
              ProcessDivergenceError: "process error", ReplicatedArrayError: "audit error",
-             SharedMemoryError: "plan error", NonFiniteError: "numerics error"}
+             SharedMemoryError: "plan error", NonFiniteError: "numerics error",
+             CoordinatorError: "process error"}
     for kind, label in kinds.items():
         if isinstance(error, kind):
             return f"{label}: {error}"
@@ -365,7 +367,19 @@ def main(argv):
     def work():
         try:
             if FLAGS.mode != "plan":
-                group = distributed.initialize()  # multi-host when GLM52_* or SLURM variables say so; else a no-op
+                # A wait on the coordinator (a peer not started yet, an address held by something else) is never
+                # silent: a line naming the address once it has lasted 10 s.
+                joining = distributed.from_env()
+                slow = threading.Timer(10.0, lambda: _log(
+                    f"process {joining.process_id} of {joining.num_processes}: still waiting for the coordinator at "
+                    f"{joining.coordinator} ({joining.source})"))
+                if joining is not None and joining.num_processes > 1:
+                    slow.daemon = True
+                    slow.start()
+                try:
+                    group = distributed.initialize()
+                finally:
+                    slow.cancel()  # multi-host when GLM52_* or SLURM variables say so; else a no-op
                 if group is not None and group.num_processes > 1:
                     _RANK_PREFIX[0] = f"[{group.process_id}/{group.num_processes}] "
                     outcome["watch"] = peer_watch.for_this_process(peer_timeout_s)

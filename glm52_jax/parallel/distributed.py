@@ -21,6 +21,10 @@ from collections.abc import Mapping
 DEFAULT_PORT = 12355
 
 
+class CoordinatorError(RuntimeError):
+    """The process group cannot form at its coordinator address (one line naming the address)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ProcessGroup:
     coordinator: str  # host:port of process 0
@@ -77,6 +81,39 @@ def default_to_cpu_without_a_gpu() -> None:
         os.environ["JAX_PLATFORMS"] = "cpu"
 
 
+def check_coordinator_port(group: ProcessGroup) -> None:
+    """Process 0 serves the coordinator on the port of `group.coordinator`: when something on this host
+    already listens there (another run, a leftover process), the JAX coordinator would crash the process
+    (a segfault, rc 139) instead of saying so; raise `CoordinatorError` naming the address first."""
+    import socket
+
+    if group.process_id != 0:
+        return
+    port = int(group.coordinator.rpartition(":")[2])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed run's TIME_WAIT is no conflict
+        try:
+            probe.bind(("", port))
+        except OSError as e:
+            raise CoordinatorError(f"coordinator address {group.coordinator} ({group.source}): port {port} is in use "
+                                   f"on this host ({e.strerror}); stop what holds it or choose another port") from None
+
+
+def _join(group: ProcessGroup, timeout_s: int, heartbeat_s: int) -> None:
+    """`jax.distributed.initialize`, its failure (a coordinator address held by something that is not
+    process 0's coordinator, or no coordinator within the timeout) as one `CoordinatorError` line."""
+    import jax
+
+    try:
+        jax.distributed.initialize(coordinator_address=group.coordinator, num_processes=group.num_processes,
+                                   process_id=group.process_id, initialization_timeout=timeout_s,
+                                   heartbeat_timeout_seconds=heartbeat_s)
+    except Exception as e:  # XlaRuntimeError / RuntimeError from the coordination service client
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise CoordinatorError(f"process {group.process_id} of {group.num_processes} could not join the coordinator "
+                               f"at {group.coordinator} ({group.source}) within {timeout_s} s: {first}") from None
+
+
 def initialize(env: Mapping[str, str] | None = None, *, timeout_s: int = 300,
                heartbeat_s: int = 100) -> ProcessGroup | None:
     """Joins the process group from the environment (no-op for a single process).
@@ -90,7 +127,6 @@ def initialize(env: Mapping[str, str] | None = None, *, timeout_s: int = 300,
 
     if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS", "") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=group.coordinator, num_processes=group.num_processes,
-                               process_id=group.process_id, initialization_timeout=timeout_s,
-                               heartbeat_timeout_seconds=heartbeat_s)
+    check_coordinator_port(group)
+    _join(group, timeout_s, heartbeat_s)
     return group

@@ -148,3 +148,19 @@ def test_two_processes_run_a_sharded_forward_and_training_step(tmp_path):
         want = old - 1e-2 * g / (np.abs(g) + 1e-8)
         assert np.linalg.norm(want - old) > 0, key
         assert rel(sharded[key] - old, want - old) <= 1e-5, key
+
+
+def test_a_coordinator_port_in_use_is_one_line_naming_the_address():
+    """Process 0 on a port something already listens on: `CoordinatorError` naming the address, before
+    JAX's coordinator would crash the process (rc 139); other processes do not serve the port."""
+    from glm52_jax.parallel.distributed import CoordinatorError, check_coordinator_port
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(CoordinatorError, match=rf"^coordinator address 127.0.0.1:{port} \(GLM52_\*\): port {port} "
+                                                   r"is in use on this host \(.*\); stop what holds it or choose"):
+            check_coordinator_port(ProcessGroup(f"127.0.0.1:{port}", 2, 0, "GLM52_*"))
+        check_coordinator_port(ProcessGroup(f"127.0.0.1:{port}", 2, 1, "GLM52_*"))
+    check_coordinator_port(ProcessGroup(f"127.0.0.1:{port}", 2, 0, "GLM52_*"))  # released: free again
