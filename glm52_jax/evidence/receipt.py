@@ -291,7 +291,8 @@ def verify(receipt_path: str | os.PathLike) -> list[str]:
 
     `receipt_path` may also be the run directory. Checks: readable standard JSON, schema/version,
     receipt_sha256, manifest_sha256, each manifest path (plain, under artifacts/, no symlinks),
-    each artifact's presence, size and sha256, and that artifacts/ holds nothing unlisted.
+    each artifact's presence, size and sha256, that artifacts/ holds nothing unlisted, and that the hashes the
+    receipt quotes (e.g. training.lora_sha256_after) are those of the artifacts they name (`cross_refs`).
     """
     receipt_path = receipt_file(receipt_path)
     try:
@@ -344,7 +345,9 @@ def verify(receipt_path: str | os.PathLike) -> list[str]:
             failures.append(failure)
     failures += [f"unexpected file not in the manifest: {p}" for p in _files_under(run_dir, artifacts)
                  if p not in listed]
-    return failures
+    from glm52_jax.evidence.cross_refs import quoted_hash_failures
+
+    return failures + quoted_hash_failures(receipt)
 
 
 def _entry_problem(entry: Any, artifacts: str) -> str | None:

@@ -1,0 +1,45 @@
+"""A receipt's internal cross-references: a hash the receipt quotes must be the hash of the artifact it names.
+
+The manifest binds each artifact's bytes, but `training.lora_sha256_after` is a second statement about
+lora_after.safetensors: a forger who replaces the file and re-seals the manifest leaves that quote stale.
+`verify` reports every such mismatch. Imports no JAX.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+# (dotted key in the receipt, artifact file name it quotes the sha256 of)
+QUOTED_HASHES = (("training.lora_sha256_before", "lora_before.safetensors"),
+                 ("training.lora_sha256_after", "lora_after.safetensors"))
+
+
+def _get(receipt: Mapping[str, Any], dotted: str) -> Any:
+    value: Any = receipt
+    for part in dotted.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def quoted_hash_failures(receipt: Mapping[str, Any]) -> list[str]:
+    """One line per quoted hash that differs from its artifact's manifest sha256 (the manifest's own check
+    ties that sha256 to the file's bytes); a quote whose artifact is not in the manifest is a failure too."""
+    manifest = receipt.get("manifest")
+    if not isinstance(manifest, list):
+        return []
+    by_name = {str(e.get("path", "")).rpartition("/")[2]: e for e in manifest if isinstance(e, Mapping)}
+    failures = []
+    for key, name in QUOTED_HASHES:
+        quoted = _get(receipt, key)
+        if quoted is None:
+            continue
+        entry = by_name.get(name)
+        if entry is None:
+            failures.append(f"{key} quotes the sha256 of {name}, which the manifest does not list")
+        elif entry.get("sha256") != quoted:
+            failures.append(f"{key} is {quoted} but {entry.get('path')} hashes to {entry.get('sha256')} (the artifact "
+                            "was replaced, or the receipt edited)")
+    return failures
