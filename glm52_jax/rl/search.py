@@ -73,6 +73,7 @@ def engine_probe(inputs: RunInputs, cursor: int, seed: int, sampler, n_tokens: i
     stop_ids = tuple(int(i) for i in sampler.cfg.eos_token_id)
     res = sampler.sample(prompt, sampling_params(spec.sampling, stop_ids, seed))
     sampler.prefix_cache.clear()
+    check_sampled(f"engine probe ({n_tokens}-token prompt)", res.logprobs, res.lengths)
     texts = _texts(inputs, res)
     records = request_records(REQUEST_PROBE, None, row.index, prompt, seed, res, texts)
     section = {"prompt_tokens": len(prompt), "row": row.index, "seed": seed,
