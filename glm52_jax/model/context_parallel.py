@@ -132,14 +132,16 @@ def pad_sequence(ids: jax.Array, positions: jax.Array, lay: Layout) -> tuple[jax
 
 def cp_sparse_attention(lay: Layout, q_lat, q_rope, c_kv, k_rope, positions, index, prev_topk, *,
                         index_topk: int, index_scale: float, softmax_scale: float, indexer_blocks: dict,
-                        attention_query_block: int, kernels: str = "reference"):
+                        attention_query_block: int, kernels: str = "reference", q_positions=None):
     """Sparse MLA of sharded queries over all-gathered keys, in the layout's order.
 
     q_lat: [B,L,H,C], q_rope: [B,L,H,R], c_kv: [B,L,C], k_rope: [B,L,R], positions: [L] (all in
     layout order, sharded on `lay.axes`); index: (iq [B,L,Hi,I], iw [B,L,Hi], ik [B,L,I]) for a
     layer with its own indexer, else None and `prev_topk: [B,L,K]`. `indexer_blocks`: the indexer's
     block sizes, kernels and score dtype (`streaming_topk` keywords). Returns (out_lat [B,L,H,C],
-    top-k [B,L,K] of key indices in sequence order).
+    top-k [B,L,K] of key indices in sequence order). With `q_positions: [Q]` (sharded like `positions`)
+    the query side (q_lat, q_rope, iq, iw, prev_topk) is Q tokens at those positions, a block of each
+    device's queries (`mla.Attention._whole_in_blocks`), and the key side is still all L tokens.
     """
     axes = lay.axes
     seq_spec = P(None, axes)
@@ -148,12 +150,12 @@ def cp_sparse_attention(lay: Layout, q_lat, q_rope, c_kv, k_rope, positions, ind
     def gather_keys(x, axis):  # every device's shard, back in sequence order
         return from_layout(jax.lax.all_gather(x, axes, axis=axis, tiled=True), lay, axis=axis)
 
-    def per_device(q_lat, q_rope, c_kv, k_rope, positions, index, prev_topk):
+    def per_device(q_lat, q_rope, c_kv, k_rope, positions, index, prev_topk, q_positions):
         key_pos = gather_keys(positions, 0)
         if index is not None:
             iq, iw, ik = index
-            topk = streaming_topk(iq, iw, gather_keys(ik, 1), positions, key_pos, index_topk, scale=index_scale,
-                                  **indexer_blocks)
+            topk = streaming_topk(iq, iw, gather_keys(ik, 1), positions if q_positions is None else q_positions,
+                                  key_pos, index_topk, scale=index_scale, **indexer_blocks)
         else:
             topk = prev_topk
         rows = array_rows(gather_keys(c_kv, 1), gather_keys(k_rope, 1))
@@ -163,12 +165,13 @@ def cp_sparse_attention(lay: Layout, q_lat, q_rope, c_kv, k_rope, positions, ind
 
     index_specs = None if index is None else (seq_spec, seq_spec, seq_spec)
     topk_spec = None if prev_topk is None else seq_spec
-    fn = jax.shard_map(per_device, in_specs=(seq_spec, seq_spec, seq_spec, seq_spec, pos_spec, index_specs, topk_spec),
+    fn = jax.shard_map(per_device, in_specs=(seq_spec, seq_spec, seq_spec, seq_spec, pos_spec, index_specs, topk_spec,
+                                             None if q_positions is None else pos_spec),
                        out_specs=(seq_spec, seq_spec), axis_names=frozenset(axes),
                        # The indexer's and attention's loops start from constants; every input and
                        # output is sharded on `axes`, so varying-axis typing adds nothing here.
                        check_vma=False)
-    return fn(q_lat, q_rope, c_kv, k_rope, positions, index, prev_topk)
+    return fn(q_lat, q_rope, c_kv, k_rope, positions, index, prev_topk, q_positions)
 
 
 # -- chunks against a sequence-sharded cache (decode, prefill chunks) --------------------------------
