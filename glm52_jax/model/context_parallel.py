@@ -118,6 +118,40 @@ def from_layout(x: jax.Array, lay: Layout, axis: int = 1) -> jax.Array:
     return jnp.moveaxis(chunks.reshape(x.shape), 0, axis)
 
 
+# A whole-sequence forward with more than this many tokens per device (the 2M prompt's whole prefill: 262,144 on 8
+# devices) runs its per-token work that would hold [tokens, heads, ...] or [tokens, intermediate] temporaries in
+# blocks of this many per device: the attention q_b .. o_proj (`mla.Attention._whole_in_blocks`) and the dense
+# SwiGLU MLPs (`moe.MLP`). Shorter ones (training, parity, tests) run at once.
+WHOLE_QUERY_BLOCK = 32_768
+
+
+def whole_blocks(length: int, ways: int) -> int:
+    """Blocks of a whole-sequence CP forward of `length` (padded) tokens on `ways` devices: 1 (unblocked) unless
+    each device holds more than `WHOLE_QUERY_BLOCK` tokens and a whole number of blocks of it."""
+    local = length // ways
+    if local <= WHOLE_QUERY_BLOCK or local % WHOLE_QUERY_BLOCK:
+        return 1
+    return local // WHOLE_QUERY_BLOCK
+
+
+def split_blocks(a: jax.Array, axis: int, ways: int, blocks: int) -> jax.Array:
+    """`a: [.., L, ..]` in a layout's order (device-major, L on `axis` sharded `ways` ways) -> [blocks, .., L /
+    blocks, ..]: block j holds every device's j-th run of L / (ways x blocks) tokens, so it stays sharded alike
+    (reshapes and a transpose of each device's own rows; nothing moves between devices)."""
+    length = a.shape[axis]
+    a = a.reshape(*a.shape[:axis], ways, blocks, length // (ways * blocks), *a.shape[axis + 1:])
+    a = jnp.moveaxis(a, axis + 1, 0)
+    return a.reshape(blocks, *a.shape[1:axis + 1], length // blocks, *a.shape[axis + 3:])
+
+
+def join_blocks(a: jax.Array, axis: int, ways: int, blocks: int) -> jax.Array:
+    """Inverse of `split_blocks` (`axis` counted without the leading block axis)."""
+    length = a.shape[axis + 1] * blocks
+    a = a.reshape(blocks, *a.shape[1:axis + 1], ways, length // (ways * blocks), *a.shape[axis + 2:])
+    a = jnp.moveaxis(a, 0, axis + 1)
+    return a.reshape(*a.shape[:axis], length, *a.shape[axis + 3:])
+
+
 def pad_sequence(ids: jax.Array, positions: jax.Array, lay: Layout) -> tuple[jax.Array, jax.Array]:
     """`ids: [B,S]`, `positions: [S]` padded to `lay.padded`; pads sit after every real token."""
     extra = lay.padded - lay.seq

@@ -38,21 +38,6 @@ def latent_norm_eps(opts: ModelOptions) -> float:
     return LATENT_NORM_EPS if opts.latent_norm_eps is None else opts.latent_norm_eps
 
 
-# A whole-sequence forward under context parallelism with more than this many queries per device (the 2M prompt's
-# whole prefill: 262,144 on 8 devices) runs its attention, q_b .. o_proj, in blocks of this many per device
-# (`Attention._whole_in_blocks`); shorter ones (training, parity) run it at once.
-WHOLE_QUERY_BLOCK = 32_768
-
-
-def whole_blocks(length: int, ways: int) -> int:
-    """Query blocks of a whole-sequence CP forward of `length` (padded) tokens on `ways` devices: 1 (unblocked)
-    unless each device holds more than `WHOLE_QUERY_BLOCK` queries and a whole number of blocks of it."""
-    local = length // ways
-    if local <= WHOLE_QUERY_BLOCK or local % WHOLE_QUERY_BLOCK:
-        return 1
-    return local // WHOLE_QUERY_BLOCK
-
-
 class Attention(nnx.Module):
     """One layer's MLA + (for 'full' layers) its indexer."""
 
@@ -107,7 +92,7 @@ class Attention(nnx.Module):
                       kernels=self.opts.kernels, score_dtype=self.opts.param_dtype)
         iscale = cfg.index_head_dim ** -0.5
         layout = context.current() if cache is None else None
-        if layout is not None and whole_blocks(x.shape[1], layout.ways) > 1:
+        if layout is not None and context.whole_blocks(x.shape[1], layout.ways) > 1:
             y, topk = self._whole_in_blocks(layout, q_resid, cos, sin, positions, c_kv, k_rope,
                                             None if self.indexer is None else (iq, iw, ik),
                                             prev_topk if self.indexer is None else None, iscale, blocks)
@@ -162,22 +147,13 @@ class Attention(nnx.Module):
         return constrain(y, ("batch", "seq", "embed"))
 
     def _whole_in_blocks(self, layout, q_resid, cos, sin, positions, c_kv, k_rope, index, prev_topk, iscale, blocks):
-        """A long whole-sequence forward's attention, q_b .. o_proj, in blocks of `WHOLE_QUERY_BLOCK` queries per
-        device (a `lax.map`): each block's queries are its devices' next `WHOLE_QUERY_BLOCK` each, against every
-        key, so the absorbed query and the attention's output ([T,H,C] per device, float32 out of the GEMM: 34 GB
+        """A long whole-sequence forward's attention, q_b .. o_proj, in blocks of `context.WHOLE_QUERY_BLOCK`
+        queries per device (a `lax.map`): each block's queries are its devices' next `WHOLE_QUERY_BLOCK` each, against
+        every key, so the absorbed query and the attention's output ([T,H,C] per device, float32 out of the GEMM: 34 GB
         at 262,144 tokens per device) exist for one block at a time. Same results as the unblocked path."""
-        ways, length = layout.ways, q_resid.shape[1]
-        nb = whole_blocks(length, ways)
-
-        def split(a, axis):  # [.., L, ..] (layout order: device-major) -> [nb, .., N x block, ..], still sharded
-            a = a.reshape(*a.shape[:axis], ways, nb, length // (ways * nb), *a.shape[axis + 1:])
-            a = jnp.moveaxis(a, axis + 1, 0)
-            return a.reshape(nb, *a.shape[1:axis + 1], length // nb, *a.shape[axis + 3:])
-
-        def join(a, axis):  # inverse of `split` (axis counted without the leading block axis)
-            a = a.reshape(nb, *a.shape[1:axis + 1], ways, length // (ways * nb), *a.shape[axis + 2:])
-            a = jnp.moveaxis(a, 0, axis + 1)
-            return a.reshape(*a.shape[:axis], length, *a.shape[axis + 3:])
+        ways = layout.ways
+        nb = context.whole_blocks(q_resid.shape[1], ways)
+        split = lambda a, axis: context.split_blocks(a, axis, ways, nb)  # noqa: E731
 
         cos_b, sin_b = (split(jnp.broadcast_to(a, (q_resid.shape[0], *a.shape[1:])), 1) for a in (cos, sin))
         xs = (split(q_resid, 1), cos_b, sin_b, split(positions, 0),
@@ -195,7 +171,8 @@ class Attention(nnx.Module):
             return self._output(out_lat), topk
 
         y, topk = jax.lax.map(one, xs)
-        return constrain(join(y, 1), ("batch", "seq", "embed")), join(topk, 1)
+        join = lambda a: context.join_blocks(a, 1, ways, nb)  # noqa: E731
+        return constrain(join(y), ("batch", "seq", "embed")), join(topk)
 
     def _topk(self, iq, iw, ik, positions, prev_topk, cache, iscale, blocks):
         """Top-k key slots [B,S,K]: a shared layer's inherited one, or this layer's indexer over the

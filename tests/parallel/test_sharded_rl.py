@@ -292,13 +292,13 @@ def test_whole_prompt_prefill_is_context_parallel_and_matches_chunked(model, pro
                                                                       monkeypatch):
     """The sampler's `whole` prefill on a mesh (one explicit-CP forward that also emits the cache)
     gives the single-device chunked prefill's cache and h_last, with slots sharded 1/N, and the
-    same greedy continuation. On folded=8 the attention runs in query blocks (`mla.WHOLE_QUERY_BLOCK`, as the
-    2M prompt's 262,144 queries per device do): 2 of each device's 6 queries per block, blocks straddling
-    the zigzag layout's two chunks."""
-    from glm52_jax.model import mla
+    same greedy continuation. On folded=8 the attention and the dense MLPs run in token blocks
+    (`context_parallel.WHOLE_QUERY_BLOCK`, as the 2M prompt's 262,144 tokens per device do): 2 of each device's 6
+    tokens per block, blocks straddling the zigzag layout's two chunks."""
+    from glm52_jax.model import context_parallel
 
     if spec == "folded=8":
-        monkeypatch.setattr(mla, "WHOLE_QUERY_BLOCK", 2)
+        monkeypatch.setattr(context_parallel, "WHOLE_QUERY_BLOCK", 2)
     ref_cache, ref_h, ref, _ = reference_sampling
     mesh_spec, mesh = _mesh(spec)
     with axis_rules(mesh_spec.rules()):
@@ -309,7 +309,7 @@ def test_whole_prompt_prefill_is_context_parallel_and_matches_chunked(model, pro
             jaxpr = str(jax.make_jaxpr(lambda st, ids: nnx.merge(sampler.graphdef, st).prefill(ids, CAPACITY))(
                 sampler.state, jnp.asarray(prompt, jnp.int32)[None]))
             assert "shard_map" in jaxpr and "all_gather" in jaxpr  # the explicit CP forward ran
-            assert mla.whole_blocks(48, mesh.size if spec == "folded=8" else 4) == (3 if spec == "folded=8" else 1)
+            assert context_parallel.whole_blocks(48, 8 if spec == "folded=8" else 4) == (3 if spec == "folded=8" else 1)
             sampler.prefix_cache.clear()
             out = sampler.sample(prompt, GREEDY)
     assert int(cache.length) == P
