@@ -19,7 +19,7 @@ from glm52_jax.run_config import (
 from tests.run_helpers import config_spec, load_config
 
 
-@pytest.mark.parametrize("name", ["tiny", "2m", "2m_one_node", "32k_parity"])
+@pytest.mark.parametrize("name", ["tiny", "2m", "2m_one_node", "32k_parity", "32k_parity_one_node"])
 def test_shipped_configs_build_and_round_trip(name):
     spec = config_spec(name)
     again = RunSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
@@ -60,6 +60,16 @@ def test_one_node_config_is_the_2m_run_on_eight_h200():
         "folded=8", "fp8", "float8_e4m3fn", "h200")
     assert config_spec("2m_one_node").mesh_spec().describe() == "DP1/TP1/CP8/EP8/PP1"
     assert (m2["model.base_weights"], config_spec("tiny").model.base_weights) == ("stored", "stored")
+
+
+def test_one_node_parity_config_is_the_32k_parity_on_the_one_node_mesh():
+    """configs/32k_parity_one_node.py: configs/32k_parity.py's comparison on configs/2m_one_node.py's mesh, base
+    weights and plan target; the cache keeps the parameter dtype, so the acceptance bounds stand."""
+    parity, one = (flatten(config_spec(n).to_dict()) for n in ("32k_parity", "32k_parity_one_node"))
+    node = flatten(config_spec("2m_one_node").to_dict())
+    assert sorted(k for k in parity if parity[k] != one[k]) == ["mesh", "model.base_weights", "name", "plan.target"]
+    assert all(one[k] == node[k] for k in ("mesh", "model.base_weights", "plan.target"))
+    assert one["model.cache_dtype"] == parity["model.cache_dtype"] == "auto"
 
 
 def test_weight_sharding_reaches_the_mesh_rules():

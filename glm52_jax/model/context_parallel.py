@@ -118,6 +118,40 @@ def from_layout(x: jax.Array, lay: Layout, axis: int = 1) -> jax.Array:
     return jnp.moveaxis(chunks.reshape(x.shape), 0, axis)
 
 
+# A whole-sequence forward with more than this many tokens per device (the 2M prompt's whole prefill: 262,144 on 8
+# devices) runs its per-token work that would hold [tokens, heads, ...] or [tokens, intermediate] temporaries in
+# blocks of this many per device: the attention q_b .. o_proj (`mla.Attention._whole_in_blocks`) and the dense
+# SwiGLU MLPs (`moe.MLP`). Shorter ones (training, parity, tests) run at once.
+WHOLE_QUERY_BLOCK = 32_768
+
+
+def whole_blocks(length: int, ways: int) -> int:
+    """Blocks of a whole-sequence CP forward of `length` (padded) tokens on `ways` devices: 1 (unblocked) unless
+    each device holds more than `WHOLE_QUERY_BLOCK` tokens and a whole number of blocks of it."""
+    local = length // ways
+    if local <= WHOLE_QUERY_BLOCK or local % WHOLE_QUERY_BLOCK:
+        return 1
+    return local // WHOLE_QUERY_BLOCK
+
+
+def split_blocks(a: jax.Array, axis: int, ways: int, blocks: int) -> jax.Array:
+    """`a: [.., L, ..]` in a layout's order (device-major, L on `axis` sharded `ways` ways) -> [blocks, .., L /
+    blocks, ..]: block j holds every device's j-th run of L / (ways x blocks) tokens, so it stays sharded alike
+    (reshapes and a transpose of each device's own rows; nothing moves between devices)."""
+    length = a.shape[axis]
+    a = a.reshape(*a.shape[:axis], ways, blocks, length // (ways * blocks), *a.shape[axis + 1:])
+    a = jnp.moveaxis(a, axis + 1, 0)
+    return a.reshape(blocks, *a.shape[1:axis + 1], length // blocks, *a.shape[axis + 3:])
+
+
+def join_blocks(a: jax.Array, axis: int, ways: int, blocks: int) -> jax.Array:
+    """Inverse of `split_blocks` (`axis` counted without the leading block axis)."""
+    length = a.shape[axis + 1] * blocks
+    a = a.reshape(blocks, *a.shape[1:axis + 1], ways, length // (ways * blocks), *a.shape[axis + 2:])
+    a = jnp.moveaxis(a, 0, axis + 1)
+    return a.reshape(*a.shape[:axis], length, *a.shape[axis + 3:])
+
+
 def pad_sequence(ids: jax.Array, positions: jax.Array, lay: Layout) -> tuple[jax.Array, jax.Array]:
     """`ids: [B,S]`, `positions: [S]` padded to `lay.padded`; pads sit after every real token."""
     extra = lay.padded - lay.seq
@@ -132,14 +166,16 @@ def pad_sequence(ids: jax.Array, positions: jax.Array, lay: Layout) -> tuple[jax
 
 def cp_sparse_attention(lay: Layout, q_lat, q_rope, c_kv, k_rope, positions, index, prev_topk, *,
                         index_topk: int, index_scale: float, softmax_scale: float, indexer_blocks: dict,
-                        attention_query_block: int, kernels: str = "reference"):
+                        attention_query_block: int, kernels: str = "reference", q_positions=None):
     """Sparse MLA of sharded queries over all-gathered keys, in the layout's order.
 
     q_lat: [B,L,H,C], q_rope: [B,L,H,R], c_kv: [B,L,C], k_rope: [B,L,R], positions: [L] (all in
     layout order, sharded on `lay.axes`); index: (iq [B,L,Hi,I], iw [B,L,Hi], ik [B,L,I]) for a
     layer with its own indexer, else None and `prev_topk: [B,L,K]`. `indexer_blocks`: the indexer's
     block sizes, kernels and score dtype (`streaming_topk` keywords). Returns (out_lat [B,L,H,C],
-    top-k [B,L,K] of key indices in sequence order).
+    top-k [B,L,K] of key indices in sequence order). With `q_positions: [Q]` (sharded like `positions`)
+    the query side (q_lat, q_rope, iq, iw, prev_topk) is Q tokens at those positions, a block of each
+    device's queries (`mla.Attention._whole_in_blocks`), and the key side is still all L tokens.
     """
     axes = lay.axes
     seq_spec = P(None, axes)
@@ -148,12 +184,12 @@ def cp_sparse_attention(lay: Layout, q_lat, q_rope, c_kv, k_rope, positions, ind
     def gather_keys(x, axis):  # every device's shard, back in sequence order
         return from_layout(jax.lax.all_gather(x, axes, axis=axis, tiled=True), lay, axis=axis)
 
-    def per_device(q_lat, q_rope, c_kv, k_rope, positions, index, prev_topk):
+    def per_device(q_lat, q_rope, c_kv, k_rope, positions, index, prev_topk, q_positions):
         key_pos = gather_keys(positions, 0)
         if index is not None:
             iq, iw, ik = index
-            topk = streaming_topk(iq, iw, gather_keys(ik, 1), positions, key_pos, index_topk, scale=index_scale,
-                                  **indexer_blocks)
+            topk = streaming_topk(iq, iw, gather_keys(ik, 1), positions if q_positions is None else q_positions,
+                                  key_pos, index_topk, scale=index_scale, **indexer_blocks)
         else:
             topk = prev_topk
         rows = array_rows(gather_keys(c_kv, 1), gather_keys(k_rope, 1))
@@ -163,12 +199,13 @@ def cp_sparse_attention(lay: Layout, q_lat, q_rope, c_kv, k_rope, positions, ind
 
     index_specs = None if index is None else (seq_spec, seq_spec, seq_spec)
     topk_spec = None if prev_topk is None else seq_spec
-    fn = jax.shard_map(per_device, in_specs=(seq_spec, seq_spec, seq_spec, seq_spec, pos_spec, index_specs, topk_spec),
+    fn = jax.shard_map(per_device, in_specs=(seq_spec, seq_spec, seq_spec, seq_spec, pos_spec, index_specs, topk_spec,
+                                             None if q_positions is None else pos_spec),
                        out_specs=(seq_spec, seq_spec), axis_names=frozenset(axes),
                        # The indexer's and attention's loops start from constants; every input and
                        # output is sharded on `axes`, so varying-axis typing adds nothing here.
                        check_vma=False)
-    return fn(q_lat, q_rope, c_kv, k_rope, positions, index, prev_topk)
+    return fn(q_lat, q_rope, c_kv, k_rope, positions, index, prev_topk, q_positions)
 
 
 # -- chunks against a sequence-sharded cache (decode, prefill chunks) --------------------------------
@@ -298,6 +335,11 @@ def _cp_cached_block(axes: tuple[str, ...], q_lat, q_rope, c_new, r_new, q_posit
     return out.astype(q_lat.dtype), topk
 
 
+# Selected keys are attended in blocks of this many; a device runs only the blocks that hold keys it keeps
+# (`lse_attention`): with the slots balanced, about K/N of a query's K selected keys, not all K.
+KEY_BLOCK = 256
+
+
 def _partial_attention(q_lat, q_rope, topk, cache_c, cache_r, slot, c_new, r_new, length, base, local_cap, scale,
                        axes, cache_cs=None):
     """Softmax attention over the selected keys this device holds (cache rows in its slot range, chunk
@@ -305,37 +347,78 @@ def _partial_attention(q_lat, q_rope, topk, cache_c, cache_r, slot, c_new, r_new
     the local e4m3 rows' scales) only the gathered rows are dequantized."""
     lead = tuple(jnp.asarray(i, jnp.int32) for i in slot)
     b = jnp.arange(topk.shape[0], dtype=jnp.int32)[:, None, None]
-    valid = topk >= 0
-    local = topk - base
-    in_cache = topk < length
-    mine = valid & (topk // local_cap == base // local_cap)  # slot s lives on device s // local_cap
-    rows = []
-    for cached, scales, fresh in ((cache_c, cache_cs, c_new), (cache_r, None, r_new)):
-        at = (*lead, b, jnp.clip(local, 0, local_cap - 1))
-        past = cached[at]  # [B,S,K,*]
-        if scales is not None:
-            past = cache_fp8.read_rows(past, scales[at], fresh.dtype)
-        chunk = jax.vmap(lambda r, i: r[i])(fresh, jnp.clip(topk - length, 0, fresh.shape[1] - 1))
-        rows.append(jnp.where(in_cache[..., None], past, chunk.astype(past.dtype)).astype(q_lat.dtype))
-    kv, kr = rows
-    return lse_attention(q_lat, q_rope, kv, kr, mine, scale, axes)
+    mine = (topk >= 0) & (topk // local_cap == base // local_cap)  # slot s lives on device s // local_cap
+
+    def rows(idx):  # [B,S,k] selected slots -> their rows [B,S,k,C], [B,S,k,R] (clipped where not this device's)
+        in_cache = idx < length
+        out = []
+        for cached, scales, fresh in ((cache_c, cache_cs, c_new), (cache_r, None, r_new)):
+            at = (*lead, b, jnp.clip(idx - base, 0, local_cap - 1))
+            past = cached[at]  # [B,S,k,*]
+            if scales is not None:
+                past = cache_fp8.read_rows(past, scales[at], fresh.dtype)
+            chunk = jax.vmap(lambda r, i: r[i])(fresh, jnp.clip(idx - length, 0, fresh.shape[1] - 1))
+            out.append(jnp.where(in_cache[..., None], past, chunk.astype(past.dtype)).astype(q_lat.dtype))
+        return out
+
+    return lse_attention(q_lat, q_rope, rows, topk, mine, scale, axes)
 
 
-def lse_attention(q_lat, q_rope, kv, kr, keep, scale, axes):
-    """Softmax attention of `q_lat: [B,S,H,C]`, `q_rope: [B,S,H,R]` over the gathered rows `kv: [B,S,K,C]`,
-    `kr: [B,S,K,R]` that this device keeps (`keep: [B,S,K]`), combined across `axes` by log-sum-exp:
-    out = sum_d exp(m_d - M) o_d / sum_d exp(m_d - M) l_d (each selected key kept on exactly one device)."""
-    logits = jnp.einsum("bshc,bskc->bshk", q_lat, kv, preferred_element_type=jnp.float32)
-    logits = (logits + jnp.einsum("bshr,bskr->bshk", q_rope, kr, preferred_element_type=jnp.float32)) * scale
-    keep = keep[:, :, None, :]
-    m = jnp.max(jnp.where(keep, logits, -jnp.inf), axis=-1)  # [B,S,H]; -inf: nothing here
-    # The combine is exact for any shift, so the shift carries no gradient.
-    m_all = jax.lax.pmax(jax.lax.stop_gradient(m), axes)
+def own_first(topk: jax.Array, keep: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`topk`, `keep: [B,S,K]` reordered per query so the kept keys come first (stable), and the most keys
+    any query keeps ([] int32): the key blocks past it hold nothing this device attends."""
+    order = jnp.argsort(~keep, axis=-1, stable=True)
+    return (jnp.take_along_axis(topk, order, -1), jnp.take_along_axis(keep, order, -1),
+            jnp.max(jnp.sum(keep, axis=-1, dtype=jnp.int32), initial=0))
+
+
+def lse_attention(q_lat, q_rope, rows, topk, keep, scale, axes, key_block: int = KEY_BLOCK):
+    """Softmax attention of `q_lat: [B,S,H,C]`, `q_rope: [B,S,H,R]` over the selected slots `topk: [B,S,K]`
+    this device keeps (`keep: [B,S,K]`), combined across `axes` by log-sum-exp:
+    out = sum_d exp(m_d - M) o_d / sum_d exp(m_d - M) l_d (each selected key kept on exactly one device).
+
+    Only this device's keys are attended: each query's kept keys are moved to the front (`own_first`) and
+    taken in blocks of `key_block`; a block past the most keys any query keeps is skipped (a `lax.cond`),
+    so a device reads and scores about the keys it holds, not all K per query. `rows(idx: [B,S,k])` gives
+    the selected rows (kv [B,S,k,C], kr [B,S,k,R]); it is called for the blocks that run only. Every block
+    is a partial softmax of its own, merged with the others and the other devices' by the same combine."""
+    k = topk.shape[-1]
+    kb = min(key_block, k)
+    blocks = -(-k // kb)
+    pad = blocks * kb - k
+    topk, keep, most = own_first(topk, keep)
+    if pad:
+        topk = jnp.pad(topk, ((0, 0), (0, 0), (0, pad)), constant_values=-1)
+        keep = jnp.pad(keep, ((0, 0), (0, 0), (0, pad)))
+    lead = topk.shape[:2]
+    split = lambda a: jnp.moveaxis(a.reshape(*lead, blocks, kb), 2, 0)  # noqa: E731  [blocks,B,S,kb]
+    heads, width = q_lat.shape[2], q_lat.shape[3]
+
+    def empty():
+        return (jnp.full((*lead, heads), -jnp.inf, jnp.float32), jnp.zeros((*lead, heads), jnp.float32),
+                jnp.zeros((*lead, heads, width), jnp.float32))
+
+    def attend(idx, kept):  # one block's partial softmax: (max, sum, unnormalized output)
+        kv, kr = rows(idx)
+        logits = jnp.einsum("bshc,bskc->bshk", q_lat, kv, preferred_element_type=jnp.float32)
+        logits = (logits + jnp.einsum("bshr,bskr->bshk", q_rope, kr, preferred_element_type=jnp.float32)) * scale
+        kept = kept[:, :, None, :]
+        # The combine is exact for any shift, so the shift carries no gradient.
+        m = jax.lax.stop_gradient(jnp.max(jnp.where(kept, logits, -jnp.inf), axis=-1))  # [B,S,H]; -inf: none
+        # Mask before the exp: a key that is not kept may sit far above the kept maximum, and exp of it
+        # (inf) would turn the zero cotangent of the masked branch into NaN in the backward pass.
+        p = jnp.exp(jnp.where(kept, logits - jnp.where(jnp.isfinite(m), m, 0.0)[..., None], -jnp.inf))
+        o = jnp.einsum("bshk,bskc->bshc", p.astype(kv.dtype), kv, preferred_element_type=jnp.float32)
+        return m, jnp.sum(p, axis=-1), o
+
+    def one(_, args):
+        j, idx, kept = args
+        return None, jax.lax.cond(j * kb < most, attend, lambda *_: empty(), idx, kept)
+
+    _, (m, l, o) = jax.lax.scan(one, None, (jnp.arange(blocks), split(topk), split(keep)))  # [blocks,B,S,H,..]
+    m_all = jax.lax.pmax(jnp.max(m, axis=0), axes)
     m_all = jnp.where(jnp.isfinite(m_all), m_all, 0.0)
-    # Mask before the exp: a key that is not kept may sit far above the kept maximum, and exp of it
-    # (inf) would turn the zero cotangent of the masked branch into NaN in the backward pass.
-    p = jnp.exp(jnp.where(keep, logits - m_all[..., None], -jnp.inf))
-    denom = jax.lax.psum(jnp.sum(p, axis=-1), axes)  # [B,S,H]
-    num = jax.lax.psum(jnp.einsum("bshk,bskc->bshc", p.astype(kv.dtype), kv, preferred_element_type=jnp.float32),
-                       axes)
+    w = jnp.exp(m - m_all)  # [blocks,B,S,H]: 0 for an empty block
+    denom = jax.lax.psum(jnp.sum(w * l, axis=0), axes)  # [B,S,H]
+    num = jax.lax.psum(jnp.sum(w[..., None] * o, axis=0), axes)
     return jnp.where(denom[..., None] > 0, num / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0).astype(q_lat.dtype)

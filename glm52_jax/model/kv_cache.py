@@ -160,10 +160,13 @@ def empty_stacks(cfg: ModelConfig, segments, batch: int, slots: int, dtype, axes
                 i_scale=ones(keys) if quantized else ())
 
 
-def cache_from_entries(new_c, new_r, new_i, seq: int, capacity: int, dtype, cache_dtype: str = "auto") -> KVCache:
+def cache_from_entries(new_c, new_r, new_i, seq: int, capacity: int, dtype, cache_dtype: str = "auto",
+                       scales: tuple | None = None) -> KVCache:
     """A cache holding a whole prompt's entries (per segment [repeats, U|F, B, S, *], slot order)
     in slots `0 .. S-1` of `capacity`, laid out as `init_cache` + `write_chunk` would leave it (the
-    latents and keys quantized per row with a quantized `cache_dtype`)."""
+    latents and keys quantized per row with a quantized `cache_dtype`). `scales`: (c_scale, i_scale) when
+    new_c / new_i already hold `cache_fp8.store_rows`'s e4m3 values (quantized before a re-layout, which
+    then moves half the bytes), else None."""
 
     def fill(chunk, dt, fill_value=0):
         chunk = chunk.astype(dt)
@@ -172,8 +175,11 @@ def cache_from_entries(new_c, new_r, new_i, seq: int, capacity: int, dtype, cach
         return constrain(full, CACHE_AXES[:full.ndim])
 
     quantized = cache_fp8.quantized(cache_dtype)
-    new_c, c_scale = cache_fp8.store_rows(new_c, quantized)
-    new_i, i_scale = cache_fp8.store_rows(new_i, quantized)
+    if scales is None:
+        new_c, c_scale = cache_fp8.store_rows(new_c, quantized)
+        new_i, i_scale = cache_fp8.store_rows(new_i, quantized)
+    else:
+        c_scale, i_scale = scales
     values = cache_fp8.values_dtype(cache_dtype, dtype)
     return KVCache(tuple(fill(a, values) for a in new_c), tuple(fill(a, dtype) for a in new_r),
                    tuple(fill(a, values) for a in new_i), jnp.asarray(seq, jnp.int32),

@@ -78,27 +78,26 @@ class Attention(nnx.Module):
         Returns (y [B,S,D], top-k [B,S,K] in key-slot space, this chunk's cache entries
         (c_kv [B,S,C], k_rope [B,S,R], indexer key [B,S,I] or None) for the caller to write).
         """
-        cfg, nope = self.cfg, self.cfg.qk_nope_head_dim
+        cfg = self.cfg
         q_resid = self.q_a_layernorm(project(x, self.q_a_proj, "bsd,dq->bsq", self.q_a_proj_lora))
-        q = project(q_resid, self.q_b_proj, "bsq,qhe->bshe", self.q_b_proj_lora)
-        q_nope, q_rope = q[..., :nope], q[..., nope:]
-        q_rope = rope_lib.apply_interleaved_rope(q_rope, cos[:, :, None, :], sin[:, :, None, :])
         kv = project(x, self.kv_a_proj_with_mqa, "bsd,dc->bsc", self.kv_a_proj_with_mqa_lora)
         c_kv = self.kv_a_layernorm(kv[..., : cfg.kv_lora_rank])
         k_rope = rope_lib.apply_interleaved_rope(kv[..., cfg.kv_lora_rank:], cos, sin)
         iq = iw = ik = None
         if self.indexer is not None:
             iq, ik, iw = self.indexer.project(x, q_resid, cos, sin)
-
-        kv_b = self.kv_b_proj_lora
-        q_lat = project(q_nope, self.w_uk, "bshn,chn->bshc", None if kv_b is None else kv_b.key)
-        q_lat = constrain(q_lat, ("batch", "seq", "heads", "kv_lora"))
         if self.indexer is None and prev_topk is None:
             raise ValueError("a 'shared' indexer layer needs the previous full layer's top-k")
         blocks = dict(query_block=self.opts.indexer_query_block, key_block=self.opts.indexer_key_block,
                       kernels=self.opts.kernels, score_dtype=self.opts.param_dtype)
         iscale = cfg.index_head_dim ** -0.5
         layout = context.current() if cache is None else None
+        if layout is not None and context.whole_blocks(x.shape[1], layout.ways) > 1:
+            y, topk = self._whole_in_blocks(layout, q_resid, cos, sin, positions, c_kv, k_rope,
+                                            None if self.indexer is None else (iq, iw, ik),
+                                            prev_topk if self.indexer is None else None, iscale, blocks)
+            return y, topk, (c_kv, k_rope, ik)
+        q_lat, q_rope = self._query(q_resid, cos, sin)
         shared = isinstance(cache, SharedLayerView)
         sharded_cache = None if cache is None or shared else context.cached_layout(
             x.shape[0] * x.shape[1], cache.capacity, self.opts.context_parallel)
@@ -129,9 +128,51 @@ class Attention(nnx.Module):
                 rows = cached_rows(cache.c_kv, cache.k_rope, cache.slot, cache.length, c_kv, k_rope, cache.c_scale)
             out_lat = sparse_mla_rows(q_lat, q_rope, rows, topk, scale=cfg.softmax_scale,
                                       query_block=self.opts.attention_query_block, kernels=self.opts.kernels)
+        return self._output(out_lat), topk, (c_kv, k_rope, ik)
+
+    def _query(self, q_resid, cos, sin):
+        """q_resid [B,S,Q] -> the absorbed query q_lat [B,S,H,C] and the rotated q_rope [B,S,H,R]."""
+        nope, kv_b = self.cfg.qk_nope_head_dim, self.kv_b_proj_lora
+        q = project(q_resid, self.q_b_proj, "bsq,qhe->bshe", self.q_b_proj_lora)
+        q_nope, q_rope = q[..., :nope], q[..., nope:]
+        q_rope = rope_lib.apply_interleaved_rope(q_rope, cos[:, :, None, :], sin[:, :, None, :])
+        q_lat = project(q_nope, self.w_uk, "bshn,chn->bshc", None if kv_b is None else kv_b.key)
+        return constrain(q_lat, ("batch", "seq", "heads", "kv_lora")), q_rope
+
+    def _output(self, out_lat):
+        """The attention's latent output [B,S,H,C] -> y [B,S,D] (W_UV, then o_proj)."""
+        kv_b = self.kv_b_proj_lora
         out = project(out_lat, self.w_uv, "bshc,chv->bshv", None if kv_b is None else kv_b.value)
         y = project(out, self.o_proj, "bshv,hvd->bsd", self.o_proj_lora)
-        return constrain(y, ("batch", "seq", "embed")), topk, (c_kv, k_rope, ik)
+        return constrain(y, ("batch", "seq", "embed"))
+
+    def _whole_in_blocks(self, layout, q_resid, cos, sin, positions, c_kv, k_rope, index, prev_topk, iscale, blocks):
+        """A long whole-sequence forward's attention, q_b .. o_proj, in blocks of `context.WHOLE_QUERY_BLOCK`
+        queries per device (a `lax.map`): each block's queries are its devices' next `WHOLE_QUERY_BLOCK` each, against
+        every key, so the absorbed query and the attention's output ([T,H,C] per device, float32 out of the GEMM: 34 GB
+        at 262,144 tokens per device) exist for one block at a time. Same results as the unblocked path."""
+        ways = layout.ways
+        nb = context.whole_blocks(q_resid.shape[1], ways)
+        split = lambda a, axis: context.split_blocks(a, axis, ways, nb)  # noqa: E731
+
+        cos_b, sin_b = (split(jnp.broadcast_to(a, (q_resid.shape[0], *a.shape[1:])), 1) for a in (cos, sin))
+        xs = (split(q_resid, 1), cos_b, sin_b, split(positions, 0),
+              None if index is None else (split(index[0], 1), split(index[1], 1)),
+              None if prev_topk is None else split(prev_topk, 1))
+
+        def one(args):
+            q_resid, cos, sin, q_positions, qi, prev = args
+            q_lat, q_rope = self._query(q_resid, cos, sin)
+            out_lat, topk = context.cp_sparse_attention(
+                layout, q_lat, q_rope, c_kv, k_rope, positions, None if qi is None else (*qi, index[2]), prev,
+                index_topk=self.cfg.index_topk, index_scale=iscale, softmax_scale=self.cfg.softmax_scale,
+                indexer_blocks=blocks, attention_query_block=self.opts.attention_query_block,
+                kernels=self.opts.kernels, q_positions=q_positions)
+            return self._output(out_lat), topk
+
+        y, topk = jax.lax.map(one, xs)
+        join = lambda a: context.join_blocks(a, 1, ways, nb)  # noqa: E731
+        return constrain(join(y), ("batch", "seq", "embed")), join(topk)
 
     def _topk(self, iq, iw, ik, positions, prev_topk, cache, iscale, blocks):
         """Top-k key slots [B,S,K]: a shared layer's inherited one, or this layer's indexer over the

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glm52_jax.config import ModelConfig
+from glm52_jax.model import context_parallel as context
 from glm52_jax.model.expert_parallel import experts_ep, pad_tokens, token_shards
 from glm52_jax.model.grouped_mlp import experts_ragged
 from glm52_jax.model.layers import param, project
@@ -44,6 +45,15 @@ class MLP(nnx.Module):
         self.down_proj_lora = adapter(lora, lora_family, "down_proj", i, i_axes, d, d_axes, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        lay = context.current()
+        if lay is not None and x.ndim == 3 and (blocks := context.whole_blocks(x.shape[1], lay.ways)) > 1:
+            # A long whole-sequence CP forward: [B,S,I] float32 GEMM outputs for 262,144 tokens per device (12 GiB
+            # each at I = 12,288) exist for one block of tokens at a time.
+            xs = context.split_blocks(x, 1, lay.ways, blocks)
+            return context.join_blocks(jax.lax.map(self._swiglu, xs), 1, lay.ways, blocks)
+        return self._swiglu(x)
+
+    def _swiglu(self, x: jax.Array) -> jax.Array:
         gate = project(x, self.gate_proj, "...d,di->...i", self.gate_proj_lora)
         h = jax.nn.silu(gate) * project(x, self.up_proj, "...d,di->...i", self.up_proj_lora)
         return project(h, self.down_proj, "...i,id->...d", self.down_proj_lora)

@@ -278,23 +278,25 @@ def _context_parallel(sharded, q_lat, q_rope, suffix_c, suffix_r, positions, pro
             topk = merge_topk(cand, suffix_candidates, scoring["kk"])
         else:
             topk = prev_topk
-        valid = topk >= 0
-        keep = valid & (jnp.minimum(topk // local_cap, ways - 1) == me)
-        in_prompt = topk < length
-        local = jnp.clip(topk - base, 0, local_cap - 1)
-        own = jnp.clip(topk - length, 0, suffix_c.shape[1] - 1)
+        keep = (topk >= 0) & (jnp.minimum(topk // local_cap, ways - 1) == me)
         lead = tuple(jnp.asarray(i, jnp.int32) for i in slot)
 
-        def selected(cached, scales, fresh):  # [G,S,K,*]: the selected prompt rows, else the suffix's
-            past, mine = cached[(*lead, 0, local)], jax.vmap(lambda r, i: r[i])(fresh, own)
-            if scales is None:
-                mine = mine.astype(cached.dtype)
-            else:  # e4m3: only the gathered rows are dequantized, with their gathered scales
-                past = cache_fp8.read_rows(past, scales[(*lead, 0, local)], fresh.dtype)
-            return jnp.where(in_prompt[..., None], past, mine).astype(q_lat.dtype)
+        def rows(idx):  # [G,S,k] selected slots -> their rows: the prompt's (this device's), else the suffix's
+            in_prompt = idx < length
+            local = jnp.clip(idx - base, 0, local_cap - 1)
+            own = jnp.clip(idx - length, 0, suffix_c.shape[1] - 1)
 
-        kv, kr = selected(cache_c, cache_cs, suffix_c), selected(cache_r, None, suffix_r)
-        return context.lse_attention(q_lat, q_rope, kv, kr, keep, softmax_scale, axes), topk
+            def selected(cached, scales, fresh):  # [G,S,k,*]
+                past, mine = cached[(*lead, 0, local)], jax.vmap(lambda r, i: r[i])(fresh, own)
+                if scales is None:
+                    mine = mine.astype(cached.dtype)
+                else:  # e4m3: only the gathered rows are dequantized, with their gathered scales
+                    past = cache_fp8.read_rows(past, scales[(*lead, 0, local)], fresh.dtype)
+                return jnp.where(in_prompt[..., None], past, mine).astype(q_lat.dtype)
+
+            return selected(cache_c, cache_cs, suffix_c), selected(cache_r, None, suffix_r)
+
+        return context.lse_attention(q_lat, q_rope, rows, topk, keep, softmax_scale, axes), topk
 
     has_index = query_index is not None
     quantized = prompt.c_scale is not None

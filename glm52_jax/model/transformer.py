@@ -21,6 +21,7 @@ from flax import nnx
 
 from glm52_jax import positions as rope_lib
 from glm52_jax.config import ModelConfig
+from glm52_jax.model import cache_fp8
 from glm52_jax.model import context_parallel as context
 from glm52_jax.model.kv_cache import KVCache, cache_from_entries, init_cache
 from glm52_jax.model.layers import RMSNorm, gather_params, gathered, gathered_value, kept_split, param
@@ -103,7 +104,9 @@ class Unit(nnx.Module):
         `kv_cache.SegmentCache` or `shared_cache.SharedSegment`), read in place at this unit's repeat.
 
         Returns (h, topk, top-k of each full layer, the chunk's new entries stacked
-        ([U,B,S,C], [U,B,S,R], [F,B,S,I]), or None without a cache unless `emit_entries`).
+        ([U,B,S,C], [U,B,S,R], [F,B,S,I]), or None without a cache unless `emit_entries`). With
+        `emit_entries="fp8"` the latents and index keys come as an FP8 cache stores them, (e4m3 values,
+        [U|F,B,S] scales) pairs (`cache_fp8.store_rows`): a whole prompt's stacks leave the scan at half the bytes.
         """
         produced, new_c, new_r, new_i = [], [], [], []
         full_slot = 0
@@ -125,7 +128,12 @@ class Unit(nnx.Module):
         index_dim = self.layers[0].self_attn.cfg.index_head_dim
         stacked_i = (jnp.stack([i.astype(jnp.float32) for i in new_i]) if new_i
                      else jnp.zeros((0, *h.shape[:2], index_dim), jnp.float32))
-        return h, topk, tuple(produced), (jnp.stack(new_c), jnp.stack(new_r), stacked_i)
+        stacked_c = jnp.stack(new_c)
+        if emit_entries == "fp8":
+            (c_v,), (c_s,) = cache_fp8.store_rows((stacked_c,), True)
+            (i_v,), (i_s,) = cache_fp8.store_rows((stacked_i,), True)
+            return h, topk, tuple(produced), ((c_v, c_s), jnp.stack(new_r), (i_v, i_s))
+        return h, topk, tuple(produced), (stacked_c, jnp.stack(new_r), stacked_i)
 
 
 def _stacked_unit(cfg: ModelConfig, seg: Segment, opts: ModelOptions, rngs: nnx.Rngs) -> Unit:
@@ -241,18 +249,27 @@ class GlmMoeDsa(nnx.Module):
                              f"{self.cfg.max_position_embeddings}")
         positions = jnp.arange(seq, dtype=jnp.int32)
         layout = context.plan_layout(seq, self.opts.context_parallel)
+        cache_dtype = self.opts.cache_dtype if cache_dtype is None else cache_dtype
+        # Rows quantize independently, so an FP8 cache's rows are quantized as each layer emits them: the layer
+        # scan's stacks and the re-layout below hold e4m3 values and their scales, not bf16 / float32 rows (a 2M
+        # prompt on 8 devices: the latents' stack and its all-to-all 19.3 -> 9.7 GB per device each).
+        emit = "fp8" if cache_fp8.quantized(cache_dtype) else True
         if layout is None:
-            h, _, _, entries = self._run(input_ids, positions, None, emit_entries=True)
+            h, _, _, entries = self._run(input_ids, positions, None, emit_entries=emit)
         else:
             ids, pos = context.pad_sequence(input_ids, positions, layout)
             ids, pos = context.to_layout(ids, layout), context.to_layout(pos, layout, axis=0)
             with context.active(layout):
-                h, _, _, entries = self._run(ids, pos, None, emit_entries=True)
+                h, _, _, entries = self._run(ids, pos, None, emit_entries=emit)
             h = context.from_layout(h, layout)[:, :seq]
-            # [reps, U|F, B, L, *] in layout order -> slot order, padding dropped.
+            # [reps, U|F, B, L, *] (scales [reps, U|F, B, L]) in layout order -> slot order, padding dropped.
             entries = jax.tree.map(lambda a: context.from_layout(a, layout, axis=3)[:, :, :, :seq], entries)
-        return h, cache_from_entries(*entries, seq, capacity, self.opts.param_dtype,
-                                     self.opts.cache_dtype if cache_dtype is None else cache_dtype)
+        scales = None
+        if emit == "fp8":  # per segment (values, scales) pairs
+            (c_kv, c_scale), (index_k, i_scale) = (tuple(zip(*pairs, strict=True)) for pairs in
+                                                   (entries[0], entries[2]))
+            entries, scales = (c_kv, entries[1], index_k), (c_scale, i_scale)
+        return h, cache_from_entries(*entries, seq, capacity, self.opts.param_dtype, cache_dtype, scales=scales)
 
     def keeps_weights_sharded(self, tokens: int) -> bool:
         """Whether a call routing `tokens` tokens (static) uses its FSDP-sharded weights in place, tensor-parallel

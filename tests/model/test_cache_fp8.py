@@ -127,13 +127,32 @@ def _prompt_ids(seed=0, length=P):
     return jnp.asarray(np.random.default_rng(seed).integers(0, CFG.vocab_size, (1, length)), jnp.int32)
 
 
-def test_whole_prompt_prefill_stores_the_quantized_rows(model):
+def _whole_prefills(model, spec):
+    """The whole-prompt prefill's caches ("auto", FP8) of one prompt, on one device or on the mesh `spec`."""
+    ids = _prompt_ids()
+
+    def both(graphdef, state):
+        return jax.jit(lambda st: tuple(nnx.merge(graphdef, st).prefill(ids, CAPACITY, cache_dtype=d)[1]
+                                        for d in ("auto", FP8)))(state)
+
+    if spec is None:
+        return both(*nnx.split(model))
+    mesh_spec = parse_mesh(spec)
+    mesh = mesh_spec.make()
+    with axis_rules(mesh_spec.rules()):
+        graphdef, state = nnx.split(place_model(model, mesh))
+        with jax.set_mesh(mesh):
+            return both(graphdef, state)
+
+
+# folded=8: the context-parallel forward's rows are quantized in its layout's order and then put in slot order
+# (`GlmMoeDsa.prefill`), which must store what quantizing in slot order stores. `slow` (~45 s, CI budget): CI runs
+# the one-device case (the same quantizing layer scan) and tests/parallel's whole prefill on folded=8 (the re-layout).
+@pytest.mark.parametrize("spec", [None, pytest.param("folded=8", marks=pytest.mark.slow)])
+def test_whole_prompt_prefill_stores_the_quantized_rows(model, spec):
     """The whole-prompt prefill's FP8 cache is the float32 one's rows through the oracle, bit for bit (the same
     forward; only the store differs); unwritten slots keep zeros and scale 1; k_rope is the float32 one."""
-    graphdef, state = nnx.split(model)
-    ids = _prompt_ids()
-    auto, fp8 = jax.jit(lambda st: tuple(nnx.merge(graphdef, st).prefill(ids, CAPACITY, cache_dtype=d)[1]
-                                         for d in ("auto", FP8)))(state)
+    auto, fp8 = _whole_prefills(model, spec)
     assert int(fp8.length) == P and fp8.cache_dtype == FP8
     for rows, values, scales in ((auto.c_kv, fp8.c_kv, fp8.c_scale), (auto.index_k, fp8.index_k, fp8.i_scale)):
         for a, v, s in zip(rows, values, scales, strict=True):

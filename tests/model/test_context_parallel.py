@@ -1,9 +1,12 @@
-"""model/context_parallel.py pieces that need no mesh: the cached partial attention's masked softmax."""
+"""model/context_parallel.py pieces: the cached partial attention's masked softmax, and its combine over a
+slot-sharded cache on an 8-device CPU mesh."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
+from glm52_jax.model import context_parallel
 from glm52_jax.model.context_parallel import _partial_attention
 
 
@@ -30,3 +33,92 @@ def test_partial_attention_gradient_is_finite_when_a_masked_key_dominates():
     assert all(np.isfinite(np.asarray(g)).all() for g in grads), grads
     np.testing.assert_array_equal(np.asarray(grads[2]), 0.0)  # the masked key gets no gradient
     np.testing.assert_allclose(np.asarray(grads[1]), 1.0)  # softmax over one key: d out / d value = 1
+
+
+def _dense_attention(q_lat, q_rope, topk, cache_c, cache_r, c_new, r_new, length, scale):
+    """One softmax over every selected key (the cache's slots below `length`, then the chunk's rows): what the
+    combine over devices must equal."""
+    rows_c = jnp.concatenate([cache_c[:, :length], c_new], axis=1)  # [B, length + S, C]
+    rows_r = jnp.concatenate([cache_r[:, :length], r_new], axis=1)
+    idx = jnp.maximum(topk, 0)
+    kv = jax.vmap(lambda r, i: r[i])(rows_c, idx)
+    kr = jax.vmap(lambda r, i: r[i])(rows_r, idx)
+    logits = (jnp.einsum("bshc,bskc->bshk", q_lat, kv) + jnp.einsum("bshr,bskr->bshk", q_rope, kr)) * scale
+    p = jax.nn.softmax(jnp.where((topk >= 0)[:, :, None, :], logits, -jnp.inf), axis=-1)
+    return jnp.einsum("bshk,bskc->bshc", p, kv)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("key_block", [8, 64])
+def test_partial_attention_over_a_slot_sharded_cache_equals_one_softmax(quantized, key_block):
+    """8 devices each hold 8 of 64 cache slots (40 filled) and attend only to the selected keys they hold, in
+    blocks of `key_block` (8: several blocks, the empty ones skipped); the log-sum-exp combine equals one softmax
+    over all 24 selected keys (cache rows and the chunk's own 3 rows; some queries select padding, -1), and so
+    do the gradients. Quantized: e4m3 rows with per-row scales, against the dequantized rows."""
+    from jax.sharding import PartitionSpec as P
+
+    from glm52_jax.model import cache_fp8
+
+    ways, cap, length, b, s, h, c, r, k = 8, 64, 40, 2, 3, 4, 16, 8, 24
+    keys = jax.random.split(jax.random.key(0), 6)
+    q_lat = jax.random.normal(keys[0], (b, s, h, c))
+    q_rope = jax.random.normal(keys[1], (b, s, h, r))
+    cache_c = jax.random.normal(keys[2], (b, cap, c))
+    cache_r = jax.random.normal(keys[3], (b, cap, r))
+    c_new, r_new = jax.random.normal(keys[4], (b, s, c)), jax.random.normal(keys[5], (b, s, r))
+    rng = np.random.default_rng(0)
+    topk = np.stack([np.stack([rng.permutation(length + s)[:k] for _ in range(s)]) for _ in range(b)])
+    topk[0, 1, -5:] = -1  # padding slots
+    topk = jnp.asarray(topk, jnp.int32)
+    scales = None
+    if quantized:
+        cache_c, scales = cache_fp8.store_rows((cache_c,), True)
+        cache_c, scales = cache_c[0], scales[0]
+        dense_c = cache_fp8.read_rows(cache_c, scales, jnp.float32)
+    else:
+        dense_c = cache_c
+    mesh = jax.make_mesh((ways,), ("x",), devices=jax.devices()[:ways])
+    slots, rep = P(None, "x"), P()
+
+    def sharded(q_lat, q_rope, cache_c, cache_r, c_new, r_new, scales):
+        def per_device(q_lat, q_rope, cache_c, cache_r, c_new, r_new, scales):
+            local = cache_c.shape[1]
+            return context_parallel._partial_attention(
+                q_lat, q_rope, topk, cache_c, cache_r, (), c_new, r_new, jnp.int32(length),
+                jax.lax.axis_index("x") * local, local, 0.3, ("x",), scales)
+
+        fn = jax.shard_map(per_device, mesh=mesh, in_specs=(rep, rep, slots, slots, rep, rep,
+                                                            None if scales is None else slots),
+                           out_specs=rep, check_vma=False)
+        return fn(q_lat, q_rope, cache_c, cache_r, c_new, r_new, scales)
+
+    put = lambda a, spec: jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))  # noqa: E731
+    args = (put(q_lat, rep), put(q_rope, rep), put(cache_c, slots), put(cache_r, slots), put(c_new, rep),
+            put(r_new, rep))
+    scales = None if scales is None else put(scales, slots)
+    dense = lambda ql, qr, cc, cr, cn, rn: _dense_attention(ql, qr, topk, cc, cr, cn, rn, length, 0.3)  # noqa: E731
+    with_block = lambda *a: sharded(*a, scales)  # noqa: E731
+    old = context_parallel.KEY_BLOCK
+    context_parallel.KEY_BLOCK = key_block
+    try:
+        got = jax.jit(with_block)(*args)
+        grads = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(with_block(*a))), argnums=(0, 1, 3, 4, 5)))(*args)
+    finally:
+        context_parallel.KEY_BLOCK = old
+    want = dense(q_lat, q_rope, dense_c, cache_r, c_new, r_new)
+    want_grads = jax.grad(lambda *a: jnp.sum(jnp.sin(dense(*a))), argnums=(0, 1, 3, 4, 5))(
+        q_lat, q_rope, dense_c, cache_r, c_new, r_new)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    for g, w in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+
+
+def test_own_first_puts_kept_keys_first_and_counts_the_most():
+    topk = jnp.asarray([[[5, 1, 7, 3], [2, 6, 0, 4]]], jnp.int32)
+    keep = topk % 2 == 1
+    order, kept, most = context_parallel.own_first(topk, keep)
+    np.testing.assert_array_equal(np.asarray(order), [[[5, 1, 7, 3], [2, 6, 0, 4]]])
+    order, kept, most = context_parallel.own_first(topk, topk >= 4)
+    np.testing.assert_array_equal(np.asarray(order), [[[5, 7, 1, 3], [6, 4, 2, 0]]])
+    np.testing.assert_array_equal(np.asarray(kept), [[[1, 1, 0, 0], [1, 1, 0, 0]]])
+    assert int(most) == 2

@@ -288,10 +288,17 @@ def test_explicit_context_parallel_layouts(model, reference_forward, layout, spe
 
 
 @pytest.mark.parametrize("spec", MESHES)
-def test_whole_prompt_prefill_is_context_parallel_and_matches_chunked(model, prompt, reference_sampling, spec):
+def test_whole_prompt_prefill_is_context_parallel_and_matches_chunked(model, prompt, reference_sampling, spec,
+                                                                      monkeypatch):
     """The sampler's `whole` prefill on a mesh (one explicit-CP forward that also emits the cache)
     gives the single-device chunked prefill's cache and h_last, with slots sharded 1/N, and the
-    same greedy continuation."""
+    same greedy continuation. On folded=8 the attention and the dense MLPs run in token blocks
+    (`context_parallel.WHOLE_QUERY_BLOCK`, as the 2M prompt's 262,144 tokens per device do): 2 of each device's 6
+    tokens per block, blocks straddling the zigzag layout's two chunks."""
+    from glm52_jax.model import context_parallel
+
+    if spec == "folded=8":
+        monkeypatch.setattr(context_parallel, "WHOLE_QUERY_BLOCK", 2)
     ref_cache, ref_h, ref, _ = reference_sampling
     mesh_spec, mesh = _mesh(spec)
     with axis_rules(mesh_spec.rules()):
@@ -302,6 +309,7 @@ def test_whole_prompt_prefill_is_context_parallel_and_matches_chunked(model, pro
             jaxpr = str(jax.make_jaxpr(lambda st, ids: nnx.merge(sampler.graphdef, st).prefill(ids, CAPACITY))(
                 sampler.state, jnp.asarray(prompt, jnp.int32)[None]))
             assert "shard_map" in jaxpr and "all_gather" in jaxpr  # the explicit CP forward ran
+            assert context_parallel.whole_blocks(48, 8 if spec == "folded=8" else 4) == (3 if spec == "folded=8" else 1)
             sampler.prefix_cache.clear()
             out = sampler.sample(prompt, GREEDY)
     assert int(cache.length) == P
