@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from glm52_jax import kernels
+from glm52_jax.kernels import fp8_dot
 
 _INT_MAX = jnp.iinfo(jnp.int32).max
 FP8 = jnp.float8_e4m3fn
@@ -127,6 +128,8 @@ def index_scores(q: jax.Array, w: jax.Array, q_pos: jax.Array, keys: jax.Array, 
     if not scaled:
         k_scale = jnp.ones((1,) * (keys.ndim - 1), jnp.float32)  # unused by the kernel
     name = "dsa_index_scores_fp8" if compute_dtype == FP8 else "dsa_index_scores"  # FP8 MMA: its own plan class
+    if compute_dtype == FP8:
+        fp8_dot.install()  # e4m3 dots as FP8 wgmma on sm_90a, not f16 mma.sync (kernels/fp8_dot.py)
     kernel = functools.partial(_score_kernel, heads=heads, total_keys=total_keys, tile_k=t.tile_k, scale=scale,
                                compute_dtype=compute_dtype, scaled=scaled, quantize_keys=quantize_keys)
     full = lambda shape: pl.BlockSpec(shape, lambda i, j, b: (0,) * len(shape))  # noqa: E731
