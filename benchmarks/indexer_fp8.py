@@ -7,11 +7,15 @@
   wide     one random-weight indexer of GLM-5.2's width (hidden 6144, q_lora 2048, 32 heads of 128, top-2048; the
            model's own projections, LayerNorm and RoPE in bfloat16) on random normal hidden states: the last
            `--queries` positions' top-2048 over 4K-64K causal keys, FP8 against bf16.
+  parity   GRPO LoRA gradients of shared_prefix against conventional (the parity receipt's pair) on the tiny 4-layer
+           float32 model of tests/rl/test_gradients.py (40-token prompt > top-32), within each indexer dtype
+           (rel-L2, cosine), and FP8's gradients against bf16's (conventional).
   ptx      the scoring kernel compiled deviceless for the H20 (sm_90a, 512 queries x 8192 keys): the MMA
            instruction of each variant (bf16, FP8 with stored key scales, FP8 quantizing bf16 keys as loaded),
            with and without kernels/fp8_dot.py (needs the gpu-aot extra).
 
-    .venv/bin/python benchmarks/indexer_fp8.py [--keys 4096 16384 65536] [--rows 0 5 6 15] [--sections ...] [--json]
+    .venv/bin/python benchmarks/indexer_fp8.py [--keys 4096 16384 65536] [--rows 0 5] [--queries 32]
+        [--sections policy wide parity ptx] [--no-fp8-dot] [--json]
 """
 
 from __future__ import annotations
@@ -44,17 +48,21 @@ def _variant(model, indexer_dtype: str):
 
 
 def _greedy(model, ids, steps: int, chunk: int, capacity: int) -> np.ndarray:
-    cache = model.init_cache(1, capacity)
-    for start in range(0, ids.shape[1], chunk):
-        h, cache = model.forward_cached(ids[:, start:start + chunk], cache)
-    suffix = model.init_suffix(1, steps)
-    h, tokens = h[:, -1], []
-    for _ in range(steps):
-        token = jnp.argmax(model.logits(h)[0]).astype(jnp.int32)
-        tokens.append(int(token))
-        h, suffix = model.forward_shared(token[None, None], cache, suffix)
-        h = h[:, 0]
-    return np.array(tokens)
+    """Greedy tokens [steps]: `ids` prefilled in chunks, then the shared-prompt decode (benchmarks/fp8_cache.py's
+    jitted loop; the indexer dtype is part of the model's graph)."""
+    from benchmarks.fp8_cache import decode_logits_jit
+
+    graphdef, state = nnx.split(model)
+    none = jnp.zeros((steps,), jnp.int32)
+    return np.asarray(decode_logits_jit(graphdef, state, ids, none, False, cache_dtype="auto", chunk=chunk,
+                                        capacity=capacity)[1])
+
+
+def _topk_of(graphdef, state, ids):
+    return nnx.merge(graphdef, state).hidden_states(ids, return_topk=True)[1]
+
+
+_topk_jit = jax.jit(_topk_of, static_argnums=0)
 
 
 def policy(rows: list[int], prompt_tokens: int = 256, steps: int = 16, chunk: int = 128) -> dict:
@@ -75,7 +83,7 @@ def policy(rows: list[int], prompt_tokens: int = 256, steps: int = 16, chunk: in
     overlaps, agree, prefix, total = {}, 0, 0, 0
     for row in load_rows(select=rows):
         ids = jnp.asarray(build_exact_prompt(tok, row, prompt_tokens), jnp.int32)[None]
-        topk = {d: m.hidden_states(ids, return_topk=True)[1] for d, m in models.items()}
+        topk = {d: _topk_jit(*nnx.split(m), ids) for d, m in models.items()}
         for layer in topk["bf16"]:
             a, b = (np.asarray(topk[d][layer])[0, k:] for d in ("bf16", "fp8"))  # rows that see more than K keys
             overlaps.setdefault(layer, []).append(_overlap(a, b))
@@ -131,6 +139,41 @@ def wide(num_keys: int, queries: int = 64, seed: int = 0) -> dict:
             "overlap_mean": round(float(overlap.mean()), 4), "overlap_min": round(float(overlap.min()), 4)}
 
 
+def parity() -> dict:
+    from glm52_jax import config
+    from glm52_jax.model.lora import LoRA, LoRAConfig
+    from glm52_jax.model.options import ModelOptions
+    from glm52_jax.model.transformer import GlmMoeDsa
+    from glm52_jax.rl.gradients import lora_gradients
+
+    cfg = config.tiny(num_hidden_layers=4, indexer_types=("full", "full", "shared", "shared"))
+    rng = np.random.default_rng(0)
+    prompt, responses = rng.integers(0, 512, 40).astype(np.int32), rng.integers(0, 512, (2, 6)).astype(np.int32)
+    batch = dict(prompt=prompt, responses=responses, response_mask=np.ones((2, 6), np.float32),
+                 old_logprobs=np.zeros((2, 6), np.float32), advantages=np.array([1.0, -0.7], np.float32))
+    grads = {}
+    for dtype in ("bf16", "fp8"):
+        opts = ModelOptions(param_dtype=jnp.float32, indexer_query_block=16, indexer_key_block=16,
+                            attention_query_block=8, lora=LoRAConfig(rank=4, alpha=8.0), indexer_dtype=dtype)
+        model = GlmMoeDsa(cfg, opts, rngs=nnx.Rngs(0))
+        leaves, treedef = jax.tree.flatten(nnx.state(model, LoRA))  # B random too: every adapter gets a gradient
+        nnx.update(model, jax.tree.unflatten(treedef, [jax.random.normal(jax.random.key(i), x.shape, x.dtype) * 0.05
+                                                       for i, x in enumerate(leaves)]))
+        for mode in ("conventional", "shared_prefix"):
+            result = lora_gradients(model, **batch, mode=mode)
+            grads[dtype, mode] = np.concatenate([np.asarray(x, np.float64).ravel()
+                                                 for x in jax.tree.leaves(result.grads)])
+
+    def compare(a, b):
+        return {"rel_l2": float(np.linalg.norm(a - b) / np.linalg.norm(b)),
+                "cosine": round(float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)), 9)}
+
+    out = {f"{d}: shared_prefix vs conventional": compare(grads[d, "shared_prefix"], grads[d, "conventional"])
+           for d in ("bf16", "fp8")}
+    out["conventional: fp8 vs bf16"] = compare(grads["fp8", "conventional"], grads["bf16", "conventional"])
+    return out
+
+
 def ptx() -> dict:
     """The MMA instructions of the scoring kernel's variants compiled for the H20, with and without fp8_dot."""
     from glm52_jax.kernels import aot, fp8_dot
@@ -162,9 +205,9 @@ def ptx() -> dict:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--keys", type=int, nargs="+", default=[4096, 16384, 65536])
-    parser.add_argument("--queries", type=int, default=64)
-    parser.add_argument("--rows", type=int, nargs="+", default=[0, 5, 6, 15])
-    parser.add_argument("--sections", nargs="+", default=["policy", "wide", "ptx"])
+    parser.add_argument("--queries", type=int, default=32)
+    parser.add_argument("--rows", type=int, nargs="+", default=[0, 5])
+    parser.add_argument("--sections", nargs="+", default=["policy", "wide", "parity", "ptx"])
     parser.add_argument("--no-fp8-dot", action="store_true", help="ptx: without kernels/fp8_dot.py's rule")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -179,6 +222,9 @@ def main():
     if "wide" in args.sections:
         out["wide"] = [wide(n, args.queries) for n in args.keys]
         print(json.dumps({"wide": out["wide"]}), flush=True)
+    if "parity" in args.sections:
+        out["parity"] = parity()
+        print(json.dumps({"parity": out["parity"]}), flush=True)
     if "ptx" in args.sections:
         out["ptx"] = ptx()
         print(json.dumps({"ptx": out["ptx"]}), flush=True)
