@@ -126,7 +126,7 @@ def wide(num_keys: int, queries: int = 64, seed: int = 0) -> dict:
     k = jnp.concatenate(ks, axis=1)[:, :num_keys]
     q_pos = num_keys - queries + jnp.arange(queries, dtype=jnp.int32)
     x = jax.random.normal(jax.random.fold_in(rng, num_keys), (1, queries, cfg.hidden_size), jnp.bfloat16)
-    q_resid = jax.random.normal(jax.random.fold_in(rng, -1), (1, queries, cfg.q_lora_rank), jnp.bfloat16)
+    q_resid = jax.random.normal(jax.random.fold_in(rng, 2**31 - 1), (1, queries, cfg.q_lora_rank), jnp.bfloat16)
     cos, sin = (t[None] for t in rope_lib.rope_cos_sin(q_pos, table))
     q, _, w = layer.project(x, q_resid, cos, sin)
     k_pos = jnp.arange(num_keys, dtype=jnp.int32)
