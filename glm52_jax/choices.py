@@ -18,6 +18,9 @@ MOE_CROSS_HOST = ("xla", "nccl")  # parallel/xla_options.py: how XLA:GPU runs th
 MOE_TRANSPORTS = ("auto", "dense", "ragged")  # model/expert_parallel.py: auto = ragged on GPU, dense elsewhere
 DTYPES = ("float32", "bfloat16")  # parameter (and activation) dtype of the base model
 CACHE_DTYPES = ("auto", "float8_e4m3fn")  # model/cache_fp8.py: decode-cache latent + indexer key; auto = model dtype
+# model/indexer.py: what the DSA indexer scores in: bf16 = the parameter dtype (float32 in a float32 model), fp8 = e4m3
+# queries and keys with per-row scales on FP8 tensor cores
+INDEXER_DTYPES = ("bf16", "fp8")
 # rl/inputs.py base_fp8: the base weights on device as the checkpoint stores them, or FP8 as the release stores them
 BASE_WEIGHTS = ("stored", "fp8")
 PRESETS = ("tiny", "glm52")  # config.py architectures for `model.checkpoint="random"` and plan mode

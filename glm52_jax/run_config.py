@@ -186,6 +186,7 @@ class ModelSpec(_Section):
     weight_sharding: str = _rules(one_of(choices.WEIGHT_SHARDINGS))
     gather_weights_min_tokens: int = _rules(at_least(0))
     cache_dtype: str = _rules(one_of(choices.CACHE_DTYPES))
+    indexer_dtype: str = _rules(one_of(choices.INDEXER_DTYPES))
 
     @property
     def checkpoint_path(self) -> Path | None:

@@ -70,6 +70,7 @@ def get_config() -> ml_collections.ConfigDict:
     # 0 = always gather (the tiny configs: their weights are smaller than the activations' round trips).
     c.model.gather_weights_min_tokens = 0
     c.model.cache_dtype = "auto"  # decode/prefix cache latent + indexer key: auto (= model.dtype) or float8_e4m3fn
+    c.model.indexer_dtype = "bf16"  # DSA indexer scoring: bf16 (the parameter dtype) or fp8 (e4m3 + per-row scales)
 
     c.data = ml_collections.ConfigDict()
     c.data.path = ""  # DAPO-schema parquet/JSONL; "" = the 75 bundled rows

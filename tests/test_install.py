@@ -37,6 +37,13 @@ def test_plots_extra_is_matplotlib_and_the_test_extra_has_it():
     assert "matplotlib" in {_name(r) for r in extras["test"]}
 
 
+def test_gpu_extra_is_jax_cuda_without_jax_triton():
+    """The kernels are Pallas (Triton backend bundled in jaxlib); jax-triton is not a dependency (issue 33)."""
+    extras = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert {_name(r) for r in extras["gpu"]} == {"jax"}
+
+
 def test_parity_and_test_extras_pin_both_references():
     """`--config.parity.torch_reference` (HF + PEFT) and `megatron_reference` (megatron-core) run from the `parity`
     extra; CI (the `test` extra) runs both references' tests."""

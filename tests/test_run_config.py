@@ -128,6 +128,7 @@ def test_the_spec_and_the_launcher_start_without_jax():
     ("model.moe_receive_capacity", 0.5, "--config.model.moe_receive_capacity=0.5: must be 0 (the worst case) or >= 1"),
     ("model.gather_weights_min_tokens", -1, "--config.model.gather_weights_min_tokens=-1: must be >= 0"),
     ("model.cache_dtype", "float8", "--config.model.cache_dtype=float8: must be one of auto, float8_e4m3fn"),
+    ("model.indexer_dtype", "e4m3", "--config.model.indexer_dtype=e4m3: must be one of bf16, fp8"),
     ("parity.reference", "shared", "--config.parity.reference=shared: must be one of conventional"),
     ("parity.lora_b_std", 0.0, "--config.parity.lora_b_std=0.0: must be > 0"),
     ("parity.outliers", 0, "--config.parity.outliers=0: must be >= 1"),
@@ -240,6 +241,8 @@ def test_choices_are_the_ones_the_code_implements():
         ModelOptions(cache_dtype=cache_dtype)
     with pytest.raises(ValueError, match=r"cache_dtype: expected one of \('auto', 'float8_e4m3fn'\), got 'bfloat16'"):
         ModelOptions(cache_dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"indexer_dtype: expected one of \('bf16', 'fp8'\), got 'float8'"):
+        ModelOptions(indexer_dtype="float8")
     assert ModelOptions(latent_norm_eps=1e-5).latent_norm_eps == 1e-5 and ModelOptions().latent_norm_eps is None
     for bad in (0, -1e-6, 1.0, True, "1e-5"):
         with pytest.raises(ValueError, match="latent_norm_eps: expected None or a number in .0, 1."):
@@ -252,14 +255,17 @@ def test_settings_build_the_objects_the_spec_configures():
     spec = config_spec("tiny", **{"train.max_grad_norm": 0.5, "model.lora_families": ("attention", "unembed"),
                                   "model.kernels": "reference", "model.moe_transport": "ragged",
                                   "model.moe_token_block": 256, "model.moe_receive_capacity": 1.5,
-                                  "model.gather_weights_min_tokens": 64, "model.cache_dtype": "float8_e4m3fn"})
+                                  "model.gather_weights_min_tokens": 64, "model.cache_dtype": "float8_e4m3fn",
+                                  "model.indexer_dtype": "fp8"})
     lora = settings.lora_config(spec.model)
     assert (lora.rank, lora.alpha, lora.families) == (8, 16.0, frozenset({"attention", "unembed"}))
     options = settings.model_options(spec.model)
     assert (str(options.param_dtype), options.kernels, options.moe_transport, options.moe_token_block,
             options.moe_receive_capacity) == ("float32", "reference", "ragged", 256, 1.5)
     assert options.gather_weights_min_tokens == 64 and options.cache_dtype == "float8_e4m3fn"
+    assert options.indexer_dtype == "fp8"
     assert settings.model_options(config_spec("tiny").model).cache_dtype == "auto"
+    assert settings.model_options(config_spec("tiny").model).indexer_dtype == "bf16"
     assert settings.model_options(config_spec("2m").model).gather_weights_min_tokens == 512
     adamw = settings.adamw(spec.train)
     assert (adamw.learning_rate, adamw.max_grad_norm, adamw.weight_decay) == (1e-4, 0.5, 0.0)

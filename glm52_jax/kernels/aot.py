@@ -49,6 +49,9 @@ class KernelResources:
     shared_memory: int  # bytes per block (Triton's dynamic shared memory included)
     registers: int | None  # per thread (ptxas -v); None when ptxas could not be run on the dumped PTX
     spill_bytes: int | None  # spill stores + loads per thread
+    # The tensor-core instructions its PTX uses (e.g. "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"):
+    # whether a dot became Hopper's wgmma, and on which operand types.
+    mma: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,9 +198,10 @@ _THUNK_RE = re.compile(r"\]\s+(\S+) grid: \[([\d, ]+)\] threads: \[([\d, ]+)\]\s
 
 def _kernel_resources(dump: Path) -> dict:
     """{kernel: KernelResources} from XLA's thunk sequence (launch shape, shared memory) and ptxas -v."""
-    registers = {}
+    registers, mma = {}, {}
     for ptx in sorted(dump.glob("*.ptx")):
         registers.update(ptxas_usage(ptx.read_text()))
+        mma.update(mma_instructions(ptx.read_text()))
     kernels = {}
     for thunks in sorted(dump.glob("*thunk_sequence.txt")):
         for name, grid, threads, smem in _THUNK_RE.findall(thunks.read_text()):
@@ -205,8 +209,23 @@ def _kernel_resources(dump: Path) -> dict:
             # Keyed without the plan's byte annotation (`kernels.traffic_name`): "sparse_mla_forward", ...
             key = re.sub(r"(_flops\d+)?_bytes\d+", "", name)
             kernels[key] = KernelResources(tuple(int(v) for v in grid.split(",")),
-                                           tuple(int(v) for v in threads.split(",")), int(smem), regs, spills)
+                                           tuple(int(v) for v in threads.split(",")), int(smem), regs, spills,
+                                           mma.get(name, ()))
     return kernels
+
+
+_ENTRY_RE = re.compile(r"\.entry\s+([\w$]+)\s*\(")
+_MMA_RE = re.compile(r"\b((?:wgmma\.mma_async|mma\.sync)[\w.]*)")
+
+
+def mma_instructions(ptx: str) -> dict:
+    """{function: sorted distinct MMA instructions} of a PTX module's kernels (`.entry` functions)."""
+    entries = list(_ENTRY_RE.finditer(ptx))
+    found = {}
+    for n, entry in enumerate(entries):
+        body = ptx[entry.end(): entries[n + 1].start() if n + 1 < len(entries) else len(ptx)]
+        found[entry.group(1)] = tuple(sorted(set(_MMA_RE.findall(body))))
+    return found
 
 
 def ptxas_usage(ptx: str, arch: str = "sm_90a") -> dict:

@@ -15,6 +15,17 @@ mask in one kernel; keys read in place) and merged by radix select (kernels/inde
 in the candidates, one sort per query at the end) instead of `lax.top_k`; on a GPU its blocks are
 larger (a 512-query group x 8192-key chunk per step). Same top-k, ties included (tests/kernels).
 
+FP8 scoring (`indexer_dtype="fp8"`, `ModelOptions.indexer_dtype`): queries are quantized per (token, head) row and
+keys per row to e4m3 with one float32 scale each (`kernels.indexer.quantize_e4m3`, the FP8 cache's rule; an FP8
+cache's keys are read as stored). Scales are positive, so
+
+    w[t,h] relu(sq[t,h] sk[s] q8 . k8 * c) = (w[t,h] sq[t,h]) relu(q8 . k8 * c) sk[s]:
+
+the query scales fold into w, the e4m3 dots run on FP8 tensor cores (exact products, float32 accumulation) and each
+key's scale multiplies its head sum. The reference computes the same formula on the e4m3 values held in float32,
+so both paths select the same top-k of the quantized scores; what FP8 changes is which keys a query selects where
+bf16 scores nearly tie (overlap measured in benchmarks/indexer_fp8.py).
+
 Axis letters: B batch, S queries, T keys, H indexer heads, I indexer head dim, K top-k, D model dim,
 Q q_lora rank, R rotary dim.
 """
@@ -26,6 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glm52_jax import positions as rope_lib
+from glm52_jax.choices import INDEXER_DTYPES
 from glm52_jax.config import ModelConfig
 from glm52_jax.kernels import indexer as kernel_indexer
 from glm52_jax.kernels import indexer_select as kernel_select
@@ -95,16 +107,32 @@ def cached_blocks(queries: int, capacity: int, query_block: int, key_block: int,
     return min(query_block, queries), min(wide, capacity)
 
 
-def block_scores(q: jax.Array, w: jax.Array, k: jax.Array, scale: float) -> jax.Array:
-    """Index scores of a query block against a key block: `[B,s,H,I], [B,s,H], [B,t,I] -> [B,s,t]`."""
+def block_scores(q: jax.Array, w: jax.Array, k: jax.Array, scale: float, k_scale: jax.Array | None = None) -> jax.Array:
+    """Index scores of a query block against a key block: `[B,s,H,I], [B,s,H], [B,t,I] -> [B,s,t]`; `k_scale`
+    [B,t]: the keys' per-row scales (e4m3 keys), multiplying each key's head sum."""
     logits = jnp.einsum("bshi,bti->bsht", q, k, preferred_element_type=jnp.float32) * scale
-    return jnp.einsum("bsh,bsht->bst", w, jax.nn.relu(logits))
+    scores = jnp.einsum("bsh,bsht->bst", w, jax.nn.relu(logits))
+    return scores if k_scale is None else scores * k_scale[:, None, :]
+
+
+def check_indexer_dtype(indexer_dtype: str) -> bool:
+    """Whether `indexer_dtype` (`choices.INDEXER_DTYPES`) scores in FP8."""
+    if indexer_dtype not in INDEXER_DTYPES:
+        raise ValueError(f"indexer_dtype: expected one of {INDEXER_DTYPES}, got {indexer_dtype!r}")
+    return indexer_dtype == "fp8"
+
+
+def quantize_queries(q: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """FP8 scoring's queries: `q [B,S,H,I], w [B,S,H] -> (e4m3 values of q held in float32 [B,S,H,I], w x the
+    per-(token, head) scales [B,S,H])` (module docstring: a positive scale moves through relu into w)."""
+    q8, q_scale = kernel_indexer.quantize_e4m3(jax.lax.stop_gradient(q))
+    return q8.astype(jnp.float32), jax.lax.stop_gradient(w) * q_scale
 
 
 def streaming_topk(q: jax.Array, w: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: jax.Array, topk: int, *,
                    scale: float, query_block: int, key_block: int, sorted_keys: bool = True,
                    return_scores: bool = False, kernels: str = "reference", score_dtype=None,
-                   loop_name: str = CAUSAL_KEY_LOOP):
+                   loop_name: str = CAUSAL_KEY_LOOP, indexer_dtype: str = "bf16"):
     """Exact causal top-k of the index scores without materialising `[S, T]`.
 
     q: [B,S,H,I], w: [B,S,H], k: [B,T,I], q_pos: [S], k_pos: [T] (key s is visible to query t
@@ -116,27 +144,36 @@ def streaming_topk(q: jax.Array, w: jax.Array, k: jax.Array, q_pos: jax.Array, k
     Pallas kernel (glm52_jax.kernels.indexer), which scores in `score_dtype` (default: k's dtype;
     the model passes its parameter dtype: its q and k are values of that dtype held in float32,
     so the cast is exact). Same top-k either way (the merge below is shared). `loop_name`: the key loop's
-    name scope (`loop_scopes`), which tells plan mode's estimate which trip count it has.
+    name scope (`loop_scopes`), which tells plan mode's estimate which trip count it has. `indexer_dtype`:
+    "bf16" (the above) or "fp8" (module docstring: q and k quantized to e4m3 once per call, FP8 MMA in the kernel).
     """
     batch, seq = q.shape[:2]
     num_keys = k.shape[1]
     k, k_pos = jax.lax.stop_gradient(k), k_pos.astype(jnp.int32)
     qb, kb = causal_blocks(seq, num_keys, query_block, key_block, kernels)
+    fp8 = check_indexer_dtype(indexer_dtype)
+    k_scale = None
+    if fp8:
+        q, w = quantize_queries(q, w)
+        k, k_scale = kernel_indexer.quantize_e4m3(k)  # [B,T,I] e4m3, [B,T]
     if use_pallas(kernels):
-        dtype = k.dtype if score_dtype is None else score_dtype
+        dtype = kernel_indexer.FP8 if fp8 else (k.dtype if score_dtype is None else score_dtype)
         keys = k.astype(dtype)  # once per call; the kernel reads key rows in place from it
 
         def score_block(j, q_blk, w_blk, qpos_blk):
             scores = kernel_indexer.index_scores(q_blk.astype(dtype), w_blk, qpos_blk, keys, k_pos, j * kb, kb,
-                                                 scale=scale)
+                                                 scale=scale, k_scale=k_scale)
             return scores, j * kb + jnp.arange(kb, dtype=jnp.int32)
     else:
         nk = -(-num_keys // kb)
-        k_blocks = _pad_to(k, 1, kb, 0.0).reshape(batch, nk, kb, -1).swapaxes(0, 1)  # [nk, B, kb, I]
+        k_rows = k.astype(jnp.float32) if fp8 else k  # e4m3 values held in float32 (exact)
+        k_blocks = _pad_to(k_rows, 1, kb, 0.0).reshape(batch, nk, kb, -1).swapaxes(0, 1)  # [nk, B, kb, I]
         kpos_blocks = _pad_to(k_pos, 0, kb, jnp.iinfo(jnp.int32).max).reshape(nk, kb)  # padding: never visible
+        s_blocks = None if k_scale is None else _pad_to(k_scale, 1, kb, 1.0).reshape(batch, nk, kb).swapaxes(0, 1)
 
         def read(j):
-            return k_blocks[j], kpos_blocks[j], j * kb + jnp.arange(kb, dtype=jnp.int32)
+            return (k_blocks[j], kpos_blocks[j], j * kb + jnp.arange(kb, dtype=jnp.int32),
+                    None if s_blocks is None else s_blocks[j])
 
         score_block = _reference_scores(read, scale)
 
@@ -157,7 +194,7 @@ def streaming_topk(q: jax.Array, w: jax.Array, k: jax.Array, q_pos: jax.Array, k
 
 def cached_topk(q: jax.Array, w: jax.Array, keys: jax.Array, index: tuple, q_pos: jax.Array, length: jax.Array,
                 topk: int, *, scale: float, query_block: int, key_block: int, kernels: str = "reference",
-                score_dtype=None, key_scales: jax.Array | None = None):
+                score_dtype=None, key_scales: jax.Array | None = None, indexer_dtype: str = "bf16"):
     """Top-k over cache slots `[0, length)` of `keys[index]` (every query sits at or after `length`).
 
     keys: [..., B, Cap, I] a stacked cache read in place: the reference reads each key block as a
@@ -166,6 +203,9 @@ def cached_topk(q: jax.Array, w: jax.Array, keys: jax.Array, index: tuple, q_pos
     made. key_scales: [..., B, Cap] per-row scales of e4m3 keys (an FP8 cache, `model/cache_fp8.py`), or
     None: the reference dequantizes each key block it reads, the kernel casts the e4m3 keys it loads to
     `score_dtype` (exact) and multiplies each key's score by its scale (relu commutes with a positive scale).
+    `indexer_dtype="fp8"` (module docstring): the queries are quantized, e4m3 keys with scales are scored as stored
+    on FP8 tensor cores, keys of another dtype are quantized per row as each block is read (the kernel: as it loads
+    them; never the whole cache).
     Returns (scores [B,S,K], indices [B,S,K]) with K = min(topk, Cap), INVALID / -inf where empty.
     """
     batch, capacity, dim = keys.shape[-3:]
@@ -174,16 +214,24 @@ def cached_topk(q: jax.Array, w: jax.Array, keys: jax.Array, index: tuple, q_pos
     qb, kb = cached_blocks(q.shape[1], capacity, query_block, key_block, kernels)
     if key_scales is not None:
         key_scales = jax.lax.stop_gradient(key_scales)
+    fp8 = check_indexer_dtype(indexer_dtype)
+    if fp8:
+        q, w = quantize_queries(q, w)
     if use_pallas(kernels):
-        # The queries are never quantized: e4m3 keys score against queries in `score_dtype` (float32 without one).
-        dtype = (keys.dtype if key_scales is None else jnp.float32) if score_dtype is None else score_dtype
+        # bf16 scoring never quantizes the queries: e4m3 keys score against queries in `score_dtype` (float32
+        # without one). FP8 scoring quantizes a non-e4m3 cache's key rows in the kernel as it loads them.
+        if fp8:
+            dtype = kernel_indexer.FP8
+        else:
+            dtype = (keys.dtype if key_scales is None else jnp.float32) if score_dtype is None else score_dtype
+        quantize_keys = fp8 and key_scales is None
         slots = jnp.arange(capacity, dtype=jnp.int32)
         slot_pos = jnp.where(slots < length, slots, jnp.iinfo(jnp.int32).max)  # unwritten slots: never visible
 
         def score_block(j, q_blk, w_blk, qpos_blk):
             scores = kernel_indexer.index_scores(q_blk.astype(dtype), w_blk, qpos_blk, jax.lax.stop_gradient(keys),
                                                  slot_pos, j * kb, kb, scale=scale, lead=lead, compute_dtype=dtype,
-                                                 k_scale=key_scales)
+                                                 k_scale=key_scales, quantize_keys=quantize_keys)
             return scores, j * kb + jnp.arange(kb, dtype=jnp.int32)
 
         return _topk_core(q, w, q_pos, score_block, lambda qpos_blk: (length + kb - 1) // kb, qb, kk, True,
@@ -200,12 +248,19 @@ def cached_topk(q: jax.Array, w: jax.Array, keys: jax.Array, index: tuple, q_pos
         blk = jax.lax.dynamic_slice(keys, (*lead, zero, start_slot, zero), (1,) * len(lead) + (batch, kb, dim))
         slots = start_slot + jnp.arange(kb, dtype=jnp.int32)
         kpos = jnp.where((slots >= first) & (slots < length), slots, jnp.iinfo(jnp.int32).max)
-        if key_scales is None:
-            return jax.lax.stop_gradient(blk.reshape(batch, kb, dim).astype(jnp.float32)), kpos, slots
-        # An FP8 cache: this block's rows dequantized with their scales (never the whole stack).
-        blk_scale = jax.lax.dynamic_slice(key_scales, (*lead, zero, start_slot), (1,) * len(lead) + (batch, kb))
-        keys_f32 = cache_fp8.read_rows(blk.reshape(batch, kb, dim), blk_scale.reshape(batch, kb), jnp.float32)
-        return jax.lax.stop_gradient(keys_f32), kpos, slots
+        blk = jax.lax.stop_gradient(blk.reshape(batch, kb, dim))
+        blk_scale = None
+        if key_scales is not None:
+            blk_scale = jax.lax.dynamic_slice(key_scales, (*lead, zero, start_slot), (1,) * len(lead) + (batch, kb))
+            blk_scale = blk_scale.reshape(batch, kb)
+        if fp8:  # e4m3 rows and their scales, as stored or quantized here (this block only)
+            if blk_scale is None:
+                blk, blk_scale = kernel_indexer.quantize_e4m3(blk)
+            return blk.astype(jnp.float32), kpos, slots, blk_scale
+        if blk_scale is None:
+            return blk.astype(jnp.float32), kpos, slots, None
+        # An FP8 cache scored in bf16: this block's rows dequantized with their scales (never the whole stack).
+        return cache_fp8.read_rows(blk, blk_scale, jnp.float32), kpos, slots, None
 
     return _topk_core(q, w, q_pos, _reference_scores(read, scale), lambda qpos_blk: (length + kb - 1) // kb,
                       qb, kk, True, None, CACHED_KEY_LOOP)
@@ -221,11 +276,12 @@ def merge_topk(first: tuple[jax.Array, jax.Array], second: tuple[jax.Array, jax.
 
 def _reference_scores(read_block, scale):
     """The jnp scoring of key block j: read_block(j) -> (keys [B,kb,I] float32, key positions [kb], key
-    indices [kb]); returns score_block(j, q_blk, w_blk, qpos_blk) -> (masked scores [B,qb,kb], indices)."""
+    indices [kb], the keys' scales [B,kb] or None); returns score_block(j, q_blk, w_blk, qpos_blk) -> (masked scores
+    [B,qb,kb], indices)."""
 
     def score_block(j, q_blk, w_blk, qpos_blk):
-        k_blk, kpos, kidx = read_block(j)
-        scores = block_scores(q_blk, w_blk, k_blk, scale)
+        k_blk, kpos, kidx, k_scale = read_block(j)
+        scores = block_scores(q_blk, w_blk, k_blk, scale, k_scale)
         visible = kpos[None, None, :] <= qpos_blk[None, :, None]
         return jnp.where(visible, scores, -jnp.inf), kidx
 

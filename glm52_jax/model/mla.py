@@ -89,7 +89,8 @@ class Attention(nnx.Module):
         if self.indexer is None and prev_topk is None:
             raise ValueError("a 'shared' indexer layer needs the previous full layer's top-k")
         blocks = dict(query_block=self.opts.indexer_query_block, key_block=self.opts.indexer_key_block,
-                      kernels=self.opts.kernels, score_dtype=self.opts.param_dtype)
+                      kernels=self.opts.kernels, score_dtype=self.opts.param_dtype,
+                      indexer_dtype=self.opts.indexer_dtype)
         iscale = cfg.index_head_dim ** -0.5
         layout = context.current() if cache is None else None
         if layout is not None and context.whole_blocks(x.shape[1], layout.ways) > 1:

@@ -6,7 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from glm52_jax.choices import CACHE_DTYPES, KERNELS, MOE_TRANSPORTS
+from glm52_jax.choices import CACHE_DTYPES, INDEXER_DTYPES, KERNELS, MOE_TRANSPORTS
 from glm52_jax.model.lora import LoRAConfig
 
 
@@ -42,6 +42,10 @@ class ModelOptions:
     parameter dtype) or "float8_e4m3fn" (e4m3 with one float32 scale per cached row, `model/cache_fp8.py`:
     half of bf16's bytes). The sampler's caches, response_only's prefix and the new log-probs' prompt use it;
     shared_prefix keeps its differentiated prefix in the parameter dtype (rounding has no gradient).
+    `indexer_dtype`: what the DSA indexer scores in (`model.indexer`): "bf16" (default: q and k as values of the
+    parameter dtype, float32 in a float32 parity model) or "fp8" (q per (token, head) and k per row quantized to e4m3
+    with one float32 scale each, FP8 MMA in the Pallas kernel; an FP8 cache's keys are read as stored). Selection
+    only: attention and every gradient are unchanged, but the top-k may differ from bf16's where scores nearly tie.
     `latent_norm_eps`: the epsilon of the MLA q / kv latent RMSNorms; None (default) is HF glm_moe_dsa's 1e-6
     (`model.mla.LATENT_NORM_EPS`). megatron-core, vLLM and HF's glm5_next use the config's rms_norm_eps there
     (docs/DESIGN.md, parity); no checkpoint records which one a model was trained with.
@@ -60,6 +64,7 @@ class ModelOptions:
     moe_receive_capacity: float = 0.0
     gather_weights_min_tokens: int = 0
     cache_dtype: str = "auto"
+    indexer_dtype: str = "bf16"
     latent_norm_eps: float | None = None
 
     def __post_init__(self):
@@ -84,6 +89,9 @@ class ModelOptions:
                              f"got {self.moe_receive_capacity!r}")
         if self.cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"ModelOptions.cache_dtype: expected one of {CACHE_DTYPES}, got {self.cache_dtype!r}")
+        if self.indexer_dtype not in INDEXER_DTYPES:
+            raise ValueError(f"ModelOptions.indexer_dtype: expected one of {INDEXER_DTYPES}, "
+                             f"got {self.indexer_dtype!r}")
         eps = self.latent_norm_eps
         if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1):
             raise ValueError(f"ModelOptions.latent_norm_eps: expected None or a number in (0, 1), got {eps!r}")

@@ -212,7 +212,8 @@ def derive_h20(h200: dict[str, Any], h20: dict[str, Any]) -> None:
     for cls in efficiency.FLOP_CLASSES:
         src, dst = h200["classes"][cls], h20["classes"][cls]
         for scenario in SCENARIOS:
-            gemm = h200["classes"]["gemm_fp8" if cls == "gemm_fp8" else "gemm"][scenario]
+            # FP8 tensor-core classes against the FP8 GEMM (both run at twice bf16's peak)
+            gemm = h200["classes"]["gemm_fp8" if cls.endswith("fp8") else "gemm"][scenario]
             share = min(1.0, src[scenario] / gemm)  # of the kernel's time, the tensor cores' at the GEMM's rate
             slowdown = sm_ratio * (share * per_sm + (1.0 - share))
             rate = src[scenario] * big["bf16_flops_per_s"] / slowdown

@@ -45,9 +45,10 @@ from glm52_jax.plan.hlo import (
 from glm52_jax.plan.hlo_traffic import COLLECTIVE_STARTS, NOT_KERNELS, collective_groups, fusion_bodies, kernel_bytes
 
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_PALLAS_NAME = re.compile(r"/([A-Za-z_]+?)(?:_rows\d+)?(?:_fp8)?(?:_flops\d+)?(?:_bytes\d+)?/pallas_call")
-_PALLAS_CLASSES = ("dsa_index_scores", "dsa_topk_select", "sparse_mla_forward", "sparse_mla_backward",
-                   "sparse_mla_segment_sum", "grouped_matmul")
+_PALLAS_NAME = re.compile(r"/([A-Za-z_]+?)(?:_rows\d+)?(_fp8)?(?:_flops\d+)?(?:_bytes\d+)?/pallas_call")
+# A kernel named NAME_fp8 is class NAME_fp8 where that class exists (the FP8 indexer scores), else NAME's.
+_PALLAS_CLASSES = ("dsa_index_scores_fp8", "dsa_index_scores", "dsa_topk_select", "sparse_mla_forward",
+                   "sparse_mla_backward", "sparse_mla_segment_sum", "grouped_matmul")
 _GEMM_OPS = frozenset({"dot", "convolution"})
 _CALLS = re.compile(r"\b(?:calls|to_apply)=%?([^\s,}]+)")
 _CALLEE_ROLES = re.compile(r"\b(condition|body|calls|to_apply|true_computation|false_computation)=%?([^\s,}]+)")
@@ -170,6 +171,8 @@ class Program:
             pallas = _PALLAS_NAME.search(name.group(1)) if name else None
             if pallas or "xla.gpu.triton" in ins.attrs:
                 found = pallas.group(1) if pallas else ""
+                if pallas and pallas.group(2) and found + "_fp8" in _PALLAS_CLASSES:
+                    return found + "_fp8"
                 return next((c for c in _PALLAS_CLASSES if found.startswith(c)), "pallas_other")
             return "sort" if "sort" in ins.attrs.lower() else "memory"
         if ins.opcode == "sort":

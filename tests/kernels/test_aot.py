@@ -55,20 +55,28 @@ def test_indexer_topk_compiles_for_h200():
 
 
 def test_indexer_kernel_compiles_for_h20():
-    """The scoring kernel at GLM-5.2's shapes (a 512-query group x 8192-key chunk, bf16) for the H20
-    target (78 SMs; the sm_90 shared-memory limit)."""
+    """The scoring kernel at GLM-5.2's shapes (a 512-query group x 8192-key chunk) for the H20 target (78 SMs;
+    the sm_90 shared-memory limit), in bf16 and in FP8 (e4m3 q and k with per-key scales, model.indexer_dtype=fp8):
+    each dot a Hopper wgmma on its operand type (FP8: e4m3 x e4m3, twice bf16's rate; without kernels/fp8_dot.py
+    Pallas-Triton emitted f16 mma.sync for it)."""
 
-    def scores(q, w, q_pos, k, k_pos):
-        return kernel.index_scores(q, w, q_pos, k, k_pos, jnp.int32(0), 8192, scale=DIM ** -0.5)
+    def scores(q, w, q_pos, k, k_pos, q8, k8, k_scale):
+        bf16 = kernel.index_scores(q, w, q_pos, k, k_pos, jnp.int32(0), 8192, scale=DIM ** -0.5)
+        fp8 = kernel.index_scores(q8, w, q_pos, k8, k_pos, jnp.int32(0), 8192, scale=DIM ** -0.5, k_scale=k_scale)
+        return bf16, fp8
 
     args = (SD((1, 512, HEADS, DIM), jnp.bfloat16), SD((1, 512, HEADS), jnp.float32), SD((512,), jnp.int32),
-            SD((1, 8192, DIM), jnp.bfloat16), SD((8192,), jnp.int32))
+            SD((1, 8192, DIM), jnp.bfloat16), SD((8192,), jnp.int32), SD((1, 512, HEADS, DIM), kernel.FP8),
+            SD((1, 8192, DIM), kernel.FP8), SD((1, 8192), jnp.float32))
     compiled = aot.compile_for_gpu(scores, *args, target="h20")
-    resources = compiled.kernels["dsa_index_scores"]
-    _assert_fits(resources, "h20")
     tiles = kernel.GPU_TILING
-    assert resources.grid == (512 // tiles.tile_q, 8192 // tiles.tile_k, 1)
-    assert resources.threads == (32 * tiles.num_warps, 1, 1)
+    for name, operands in (("dsa_index_scores", "bf16.bf16"), ("dsa_index_scores_fp8", "e4m3.e4m3")):
+        resources = compiled.kernels[name]
+        _assert_fits(resources, "h20")
+        assert resources.grid == (512 // tiles.tile_q, 8192 // tiles.tile_k, 1)
+        assert resources.threads == (32 * tiles.num_warps, 1, 1)
+        assert len(resources.mma) == 1 and resources.mma[0].startswith("wgmma.mma_async")
+        assert resources.mma[0].endswith(f".f32.{operands}")
 
 
 def test_oversized_block_is_rejected():

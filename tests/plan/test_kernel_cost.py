@@ -153,13 +153,17 @@ def test_the_pass_loop_takes_each_scenarios_passes():
 
 
 def test_pallas_kernels_are_their_own_class():
-    call = ('%s = f32[8]{0} custom-call(%x), custom_call_target="__gpu$xla.gpu.triton", '
-            'metadata={op_name="jit(f)/sparse_mla_forward_flops1000_bytes64/pallas_call"}')
+    """A Pallas kernel's class is its name; NAME_fp8 is its own class where one exists (the FP8 indexer scores),
+    else NAME's (grouped_matmul_fp8 is a grouped matmul)."""
+    names = {"s": "sparse_mla_forward", "i": "dsa_index_scores_fp8", "g": "grouped_matmul_fp8"}
+    calls = "".join(f'  %{v} = f32[8]{{0}} custom-call(%x), custom_call_target="__gpu$xla.gpu.triton", '
+                    f'metadata={{op_name="jit(f)/{name}_flops1000_bytes64/pallas_call"}}\n' for v, name in names.items())
     text = MODULE.replace('  ROOT %r = bf16[512,1024]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_dot',
-                          "  %x = f32[8]{0} constant({1,2,3,4,5,6,7,8})\n  " + call + "\n"
+                          "  %x = f32[8]{0} constant({1,2,3,4,5,6,7,8})\n" + calls +
                           "  ROOT %r = bf16[512,1024]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_dot")
     kernels = {k.name: k for k in kernel_cost.Program(text, HOSTS).work({}).kernels}
     assert (kernels["s"].kind, kernels["s"].flops, kernels["s"].bytes) == ("sparse_mla_forward", 1000, 64)
+    assert (kernels["i"].kind, kernels["g"].kind) == ("dsa_index_scores_fp8", "grouped_matmul")
     fast = dataclasses.replace(RATES, launch_floor_s=0.0)
     assert kernel_cost.kernel_seconds(kernels["s"], fast) == (pytest.approx(1000 / 5e11), "compute")
 
