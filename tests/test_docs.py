@@ -76,3 +76,28 @@ def test_guide_commands_run_as_written(path, shell, tmp_path):
         # A command shown failing (`cmd || echo "refused (exit $?)"`) must fail, with exit 1.
         for word in re.findall(r'\|\| echo "(\w+) \(exit \$\?\)"', body):
             assert f"{word} (exit 1)" in proc.stdout, f"{path.name}: expected `{word} (exit 1)`:\n{proc.stdout}"
+
+
+def test_the_kubernetes_manifest_gives_every_pod_its_process_group():
+    """launch/k8s_jobset.yaml (docs/cluster.md): the GLM52_* variables each pod gets are what
+    `parallel.distributed.from_env` reads; pod i of 4 joins pod 0's coordinator as process i."""
+    import yaml
+
+    from glm52_jax.parallel import distributed
+
+    jobset = yaml.safe_load((ROOT / "launch" / "k8s_jobset.yaml").read_text())
+    [replicated] = jobset["spec"]["replicatedJobs"]
+    job = replicated["template"]["spec"]
+    [container] = job["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") or e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
+    assert env["GLM52_PROCESS_ID"] == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    assert job["completionMode"] == "Indexed" and job["parallelism"] == job["completions"] == 4
+    assert int(env["GLM52_NUM_PROCESSES"]) == 4 and container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    # pod 0 of job 0 of the replicated job, in the JobSet's headless service (named as the JobSet)
+    name = jobset["metadata"]["name"]
+    assert env["GLM52_COORDINATOR"] == f"{name}-{replicated['name']}-0-0.{name}:12355"
+    assert container["command"] == ["bash", "launch/run_node.sh"]
+    assert "--config=configs/2m.py" in container["args"]
+    for index in range(4):
+        pod = dict(env, GLM52_PROCESS_ID=str(index))
+        assert distributed.from_env(pod) == distributed.ProcessGroup(env["GLM52_COORDINATOR"], 4, index, "GLM52_*")
