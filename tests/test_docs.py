@@ -26,6 +26,7 @@ SKIP_REASONS = {
     "run": "a training run of minutes on CPU; the same commands run in the test the guide names",
 }
 GUIDES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+REPO_PATH = r"`((?:configs|launch|scripts|benchmarks|evidence|glm52_jax|tests|docs)/[\w./-]+)`"
 BLOCK = re.compile(r"^```bash(?P<tag>[^\n]*)\n(?P<body>.*?)^```$", re.M | re.S)
 
 
@@ -101,3 +102,18 @@ def test_the_kubernetes_manifest_gives_every_pod_its_process_group():
     for index in range(4):
         pod = dict(env, GLM52_PROCESS_ID=str(index))
         assert distributed.from_env(pod) == distributed.ProcessGroup(env["GLM52_COORDINATOR"], 4, index, "GLM52_*")
+
+
+def test_every_relative_link_and_named_file_exists():
+    """The guides' links (`[text](path)`) and the paths they name in backticks (from the repository root, or the
+    package's as DESIGN.md writes them) exist."""
+    missing = []
+    for path in GUIDES:
+        text = path.read_text()
+        for target in re.findall(r"\]\(([^)#]+)\)", text):
+            if not re.match(r"[a-z]+://", target) and not (path.parent / target).exists():
+                missing.append(f"{path.name}: link {target}")
+        for name in re.findall(REPO_PATH, text):
+            if not any((base / name.split("::")[0]).exists() for base in (ROOT, ROOT / "glm52_jax")):
+                missing.append(f"{path.name}: {name}")
+    assert not missing, missing
