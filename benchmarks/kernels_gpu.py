@@ -285,7 +285,7 @@ def section_model_ours(opts, shape) -> None:
     from flax import nnx
 
     import glm52_jax
-    from benchmarks.run import _ids, bench_config, fast_model
+    from benchmarks.bench_model import _ids, bench_config, fast_model
 
     model = fast_model(bench_config(), glm52_jax.ModelOptions(param_dtype=jnp.bfloat16, kernels=opts.kernels),
                        seed=1, weight_std=0.08, norm_std=0.1, bias_std=0.1)
@@ -311,7 +311,7 @@ def section_model_hf(opts, shape) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = transformers.GlmMoeDsaForCausalLM.from_pretrained(opts.ckpt, dtype=torch.bfloat16,
                                                               attn_implementation="eager").to(device).eval()
-    from benchmarks.run import _ids
+    from benchmarks.bench_model import _ids
 
     for seq_len in shape["model_hf"]:
         if time.time() > opts.deadline - 10:

@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     import glm52_jax
-    from benchmarks.run import _ids, bench_config, fast_model
+    from benchmarks.bench_model import _ids, bench_config, fast_model
 
     cfg = bench_config()
     with tempfile.TemporaryDirectory() as ckpt:

@@ -15,7 +15,7 @@ import importlib
 
 _EXPORTS = {
     "load_pretrained": "glm52_jax.checkpoint.hf",
-    "save_pretrained": "glm52_jax.checkpoint.hf",
+    "save_pretrained": "glm52_jax.checkpoint.hf_save",
     "ModelConfig": "glm52_jax.config",
     "glm52": "glm52_jax.config",
     "tiny": "glm52_jax.config",

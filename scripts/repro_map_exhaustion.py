@@ -1,4 +1,4 @@
-"""Minimal reproduction of the late XLA:CPU segfault of long test sessions (BUILD_NOTES, "Known gaps").
+"""Minimal reproduction of the late XLA:CPU segfault of long test sessions (BUILD_NOTES, "Test process").
 
 Cause: every kernel of an XLA:CPU executable is JIT-linked into its own memory mappings (code,
 read-only data, data: ~3 entries of /proc/self/maps per kernel, ~450 for one tiny-model forward),

@@ -60,7 +60,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from glm52_jax.checkpoint.hf import _layer_map, host_slice
+from glm52_jax.checkpoint.hf_layout import _layer_map
+from glm52_jax.checkpoint.host_slice import host_slice
 from glm52_jax.checkpoint.safetensors_io import LazyTensor, write_safetensors
 from glm52_jax.model.lora import Adapter, KVBAdapter, LoRA
 

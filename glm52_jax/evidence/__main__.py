@@ -7,6 +7,8 @@
     python -m glm52_jax.evidence show RECEIPT              # short summary (does not verify)
     python -m glm52_jax.evidence publish RECEIPT DIR/NAME.json   # a verified receipt under its own name
     python -m glm52_jax.evidence compare RECEIPT RECEIPT   # what two runs computed differently (exit 1 if any)
+    python -m glm52_jax.evidence readiness ONLINE PARITY   # ready_for_2m_training (exit 0) or its blockers (1);
+                                                           # rules: evidence/readiness.py, docs/evidence.md
 
 RECEIPT is a receipt.json or the directory holding it; WORKDIR a run's workdir or its evidence/
 directory (every step's receipt and the named receipts, `evidence.run_dir`).
@@ -146,8 +148,20 @@ def main(argv: list[str] | None = None) -> int:
     p_compare.add_argument("--noise", type=float, default=0.0,
                            help="absolute float-rounding level of measured numbers (0); parity receipts from "
                                 "another machine: 1e-5, the exact modes' bound")
+    p_ready = sub.add_parser("readiness", help="the seed's ready_for_2m_training decision from an online and a "
+                                               "parity receipt (exit 0 ready, 1 blocked, 2 bad input)")
+    p_ready.add_argument("online", help="an online GRPO receipt (one transaction)")
+    p_ready.add_argument("parity", help="a gradient-parity receipt")
+    p_ready.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p_ready.add_argument("--online-tokens", type=int, default=2_097_152, help="the online prompt's length (exact 2M)")
+    p_ready.add_argument("--parity-tokens", type=int, default=32_768, help="the parity prompt's least length (32K)")
     args = parser.parse_args(argv)
 
+    if args.command == "readiness":
+        from glm52_jax.evidence import readiness
+
+        return readiness.main(args.online, args.parity, as_json=args.json, online_tokens=args.online_tokens,
+                              parity_tokens=args.parity_tokens)
     if args.command == "verify":
         return _verify(Path(args.receipt), args.json, args.recompute_rewards)
     if args.command in ("publish", "compare"):

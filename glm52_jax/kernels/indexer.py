@@ -7,8 +7,8 @@ For a block of queries and a chunk of keys the kernel computes the masked index 
 
 exactly as `model.indexer.block_scores` + the causal mask: the per-head dots on tensor cores in the
 keys' dtype with float32 accumulation, relu, the weighted head sum and the mask all in the kernel;
-nothing `[.., H, t]`-sized leaves it. The exact running top-k merge stays in XLA
-(`model.indexer._topk_core`, shared with the reference): see `model.indexer` for why.
+nothing `[.., H, t]`-sized leaves it. The exact running top-k merge is a kernel of its own, a radix select
+(`kernels/indexer_select.py`, driven by `model.indexer._topk_core`, whose loop the reference shares).
 
 Blocking: a program scores a `tile_q x tile_k` tile. It loads its key tile once ([tile_k, I], masked at
 the key array's end, cast to the compute dtype) and loops over the H heads: q_h [tile_q, I] x k^T

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from glm52_jax.checkpoint import digest
 from glm52_jax.model.lora import LoRA
 from glm52_jax.plan.abstract import abstract_cache, abstract_suffix, model_segments, sds, sds_even
-from glm52_jax.rl import gradients
+from glm52_jax.rl import gradients, update
 from glm52_jax.rollout import sampler
 
 
@@ -147,10 +147,10 @@ def decode_program(s: PlanSetup) -> Program:
 
 
 def train_program(s: PlanSetup, adamw) -> Program:
-    """One optimizer step: `compute_gradients` in the configured mode, then the AdamW transform of
-    `adamw` (an `rl.update.AdamWConfig`) and `apply_updates`, in one program whose inputs include
-    the AdamW moments (sharded like the adapters): everything resident during the step. The run
-    jits the same work as two programs with the optimizer state resident throughout."""
+    """One optimizer step exactly as the run compiles it: `rl.update.grpo_step` (gradients in the configured
+    mode, global norm, finiteness flags, the AdamW transform of `adamw` (an `rl.update.AdamWConfig`) and
+    `apply_updates`), one program whose inputs include the AdamW moments (sharded like the adapters) and whose
+    outputs include the accumulated gradients: everything resident during the step."""
     graphdef, mode, chunk = s.graphdef, s.gradient_mode, s.logprob_chunk
     tx = adamw.transform()
     settings = gradients.LossSettings()
@@ -168,12 +168,8 @@ def train_program(s: PlanSetup, adamw) -> Program:
         transform_non_params=lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=replicated))
 
     def train_step(lora, frozen, opt_state, prompt, responses, mask, old, adv, prefix):
-        grads, losses, logps, metrics = gradients.compute_gradients(
-            lora_graphdef, lora, frozen, prompt, responses, mask, old, adv, prefix, mode=mode, settings=settings,
-            chunk=chunk)
-        params = nnx.as_pure(lora)
-        updates, new_opt = tx.update(nnx.as_pure(grads), opt_state, params)
-        return optax.apply_updates(params, updates), new_opt, losses.sum(), logps, metrics
+        return update.grpo_step(adamw, lora_graphdef, lora, frozen, opt_state, prompt, responses, mask, old, adv,
+                                prefix, mode=mode, settings=settings, chunk=chunk)
 
     g, r, p = s.num_samples, s.max_new_tokens, s.prompt_tokens
     prompt = sds_even((p,), "int32", s.mesh, ("seq",))

@@ -315,6 +315,29 @@ def prefix_for_response(prefix_cache: KVCache, prompt_len: int, response_len: in
     return dataclasses.replace(prefix_cache, length=jnp.asarray(prompt_len - 1, jnp.int32))
 
 
+def gradient_inputs(model: nnx.Module, prompt, responses, response_mask, old_logprobs, advantages, *, mode: str,
+                    prefix_cache: KVCache | None = None, jit: bool = True) -> tuple:
+    """`(graphdef, lora, frozen, (prompt, responses, mask, old, adv, prefix))`: the split model and the checked
+    device batch `compute_gradients` takes (arguments as `lora_gradients`). response_only without a
+    `prefix_cache` prefills the prompt here, as a program of its own (`prefill_split_jit`)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    prompt, responses = jnp.asarray(prompt, jnp.int32), jnp.asarray(responses, jnp.int32)
+    mask = jnp.asarray(response_mask)
+    old, adv = jnp.asarray(old_logprobs, jnp.float32), jnp.asarray(advantages, jnp.float32)
+    check_inputs(prompt, responses, mask, old, adv)
+    if prefix_cache is not None:
+        if mode != "response_only":
+            raise ValueError(f"prefix_cache is only used by response_only; {mode} differentiates through "
+                             "the prefix and must run it itself")
+        prefix_cache = prefix_for_response(prefix_cache, prompt.shape[0], responses.shape[1])
+    graphdef, lora, frozen = split_lora(model)
+    if mode == "response_only" and prefix_cache is None:
+        capacity = prefix_capacity(prompt.shape[0], responses.shape[1])
+        prefix_cache = (prefill_split_jit if jit else prefill_split)(graphdef, lora, frozen, prompt, capacity=capacity)
+    return graphdef, lora, frozen, (prompt, responses, mask, old, adv, prefix_cache)
+
+
 def lora_gradients(model: nnx.Module, prompt, responses, response_mask, old_logprobs, advantages, *,
                    mode: str, loss: LossSettings = LossSettings(), prefix_cache: KVCache | None = None,
                    logprob_chunk: int = 1024, jit: bool = True) -> GradientResult:
@@ -335,22 +358,8 @@ def lora_gradients(model: nnx.Module, prompt, responses, response_mask, old_logp
       logprob_chunk: positions per logits chunk.
       jit: compile the whole computation (False runs it op by op, e.g. to count calls).
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    prompt, responses = jnp.asarray(prompt, jnp.int32), jnp.asarray(responses, jnp.int32)
-    mask = jnp.asarray(response_mask)
-    old, adv = jnp.asarray(old_logprobs, jnp.float32), jnp.asarray(advantages, jnp.float32)
-    check_inputs(prompt, responses, mask, old, adv)
-    if prefix_cache is not None:
-        if mode != "response_only":
-            raise ValueError(f"prefix_cache is only used by response_only; {mode} differentiates through "
-                             "the prefix and must run it itself")
-        prefix_cache = prefix_for_response(prefix_cache, prompt.shape[0], responses.shape[1])
-    graphdef, lora, frozen = split_lora(model)
-    if mode == "response_only" and prefix_cache is None:
-        capacity = prefix_capacity(prompt.shape[0], responses.shape[1])
-        prefix_cache = (prefill_split_jit if jit else prefill_split)(graphdef, lora, frozen, prompt, capacity=capacity)
+    graphdef, lora, frozen, batch = gradient_inputs(model, prompt, responses, response_mask, old_logprobs,
+                                                    advantages, mode=mode, prefix_cache=prefix_cache, jit=jit)
     fn = compute_gradients_jit if jit else compute_gradients
-    grads, losses, logps, metrics = fn(graphdef, lora, frozen, prompt, responses, mask, old, adv, prefix_cache,
-                                       mode=mode, settings=loss, chunk=logprob_chunk)
+    grads, losses, logps, metrics = fn(graphdef, lora, frozen, *batch, mode=mode, settings=loss, chunk=logprob_chunk)
     return GradientResult(grads=grads, loss=jnp.sum(losses), sample_losses=losses, logprobs=logps, metrics=metrics)

@@ -1,14 +1,19 @@
 """One GRPO update: G per-sample backwards (a gradient mode), accumulation, one AdamW step on LoRA.
 
+The whole update is one compiled program, `grpo_step` (plan mode's "train" program compiles the same function,
+so the plan measures what runs): gradients, their global norm, per-adapter finiteness flags, and the clipped
+AdamW step. The host reads the flags afterwards and only then commits the new adapters and moments.
+
 Only the `LoRA` variables are trained; the base (`nnx.Param`) is never touched. A non-finite loss or
 gradient aborts the step before anything changes: `NonFiniteGradientError` names the first
-offending adapter, and params and optimizer state stay byte-identical.
+offending adapter, and params and optimizer state stay byte-identical (the program's outputs are dropped).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +22,8 @@ from flax import nnx
 
 from glm52_jax.model.kv_cache import KVCache
 from glm52_jax.model.lora import LoRA
-from glm52_jax.rl.gradients import LossSettings, lora_gradients
+from glm52_jax.rl import gradients
+from glm52_jax.rl.gradients import LossSettings
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -53,9 +59,11 @@ def _apply(tx: optax.GradientTransformation, params, opt_state, grads):
     return optax.apply_updates(params, updates), opt_state
 
 
-@jax.jit
-def _finite_flags(grads, loss):
+def _flags(grads, loss):
     return jax.tree.map(lambda g: jnp.all(jnp.isfinite(g)), grads), jnp.isfinite(loss)
+
+
+_finite_flags = jax.jit(_flags)
 
 
 class LoRAOptimizer:
@@ -81,7 +89,11 @@ class LoRAOptimizer:
 
 def check_finite(grads: nnx.State, loss: jax.Array) -> None:
     """Raises `NonFiniteGradientError` naming the first non-finite gradient leaf (or the loss)."""
-    flags, loss_ok = jax.device_get(_finite_flags(grads, loss))
+    _raise_unless_finite(*_finite_flags(grads, loss))
+
+
+def _raise_unless_finite(flags, loss_ok) -> None:
+    flags, loss_ok = jax.device_get((flags, loss_ok))
     bad = [path for path, ok in nnx.to_flat_state(flags) if not bool(ok)]
     if bad:
         names = ", ".join("/".join(map(str, p)) for p in bad[:3])
@@ -107,22 +119,59 @@ class UpdateResult:
 
 
 DEFAULT_LOSS = LossSettings()  # frozen: safe to share as a default
-# One program for the whole gradient tree (eagerly, optax's norm runs and compiles a few small ops per leaf
-# and per sharding: ~200 compiles per step on a mesh of several processes).
-_global_norm = jax.jit(optax.tree.norm)
+
+
+class StepOutputs(NamedTuple):
+    """What `grpo_step` returns: params / opt_state: the adapters and AdamW state after the step (to commit
+    only when finite); loss []; grad_norm []: global L2 before clipping; logprobs [G,R]; metrics; grads: the
+    accumulated LoRA gradients; flags: per-leaf finiteness of `grads`; loss_ok []: the loss's."""
+
+    params: Any
+    opt_state: Any
+    loss: jax.Array
+    grad_norm: jax.Array
+    logprobs: jax.Array
+    metrics: dict
+    grads: Any
+    flags: Any
+    loss_ok: jax.Array
+
+
+def grpo_step(adamw: AdamWConfig, graphdef: nnx.GraphDef, lora: nnx.State, frozen: nnx.State,
+              opt_state, prompt, responses, mask, old, adv, prefix: KVCache | None, *, mode: str,
+              settings: LossSettings, chunk: int) -> StepOutputs:
+    """One GRPO update as one traced function (`grpo_update` jits it; plan mode's train program compiles it):
+    `gradients.compute_gradients` in `mode`, the global gradient norm, finiteness flags, then `adamw`'s (clip +
+    AdamW) and `apply_updates` on the pure LoRA params. Shapes as `compute_gradients`; `opt_state` is
+    `adamw.transform()`'s. `adamw` (a frozen dataclass) is the static key: equal settings share one compile."""
+    grads, losses, logps, metrics = gradients.compute_gradients(
+        graphdef, lora, frozen, prompt, responses, mask, old, adv, prefix, mode=mode, settings=settings, chunk=chunk)
+    pure, params, loss = _pure(grads), _pure(lora), losses.sum()
+    flags, loss_ok = _flags(pure, loss)
+    updates, new_opt = adamw.transform().update(pure, opt_state, params)
+    return StepOutputs(optax.apply_updates(params, updates), new_opt, loss, optax.tree.norm(pure), logps, metrics,
+                       grads, flags, loss_ok)
+
+
+grpo_step_jit = jax.jit(grpo_step, static_argnames=("adamw", "graphdef", "mode", "settings", "chunk"))
 
 
 def grpo_update(model: nnx.Module, optimizer: LoRAOptimizer, prompt, responses, response_mask, old_logprobs,
                 advantages, *, mode: str = "shared_prefix", loss: LossSettings = DEFAULT_LOSS,
-                prefix_cache: KVCache | None = None) -> UpdateResult:
-    """G per-sample backwards in `mode`, accumulated, then exactly one AdamW step on the adapters.
+                prefix_cache: KVCache | None = None, logprob_chunk: int = 1024) -> UpdateResult:
+    """G per-sample backwards in `mode`, accumulated, then exactly one AdamW step on the adapters: one program
+    (`grpo_step`), then a host check of its finiteness flags before the model and optimizer take its outputs.
 
     Shapes as `gradients.lora_gradients`: prompt [P], responses / mask / old log-probs [G,R],
     advantages [G]. Raises `NonFiniteGradientError` (nothing updated) on NaN/Inf.
     """
-    result = lora_gradients(model, prompt, responses, response_mask, old_logprobs, advantages, mode=mode,
-                            loss=loss, prefix_cache=prefix_cache)
-    grad_norm = _global_norm(_pure(result.grads))
-    optimizer.apply(model, result.grads, result.loss)
-    return UpdateResult(loss=result.loss, grad_norm=grad_norm, logprobs=result.logprobs, metrics=result.metrics,
-                        step=optimizer.step, grads=result.grads)
+    graphdef, lora, frozen, batch = gradients.gradient_inputs(
+        model, prompt, responses, response_mask, old_logprobs, advantages, mode=mode, prefix_cache=prefix_cache)
+    out = grpo_step_jit(optimizer.config, graphdef, lora, frozen, optimizer.opt_state, *batch, mode=mode, settings=loss,
+                        chunk=logprob_chunk)
+    _raise_unless_finite(out.flags, out.loss_ok)
+    nnx.update(model, out.params)
+    optimizer.opt_state = out.opt_state
+    optimizer.step += 1
+    return UpdateResult(loss=out.loss, grad_norm=out.grad_norm, logprobs=out.logprobs, metrics=out.metrics,
+                        step=optimizer.step, grads=out.grads)

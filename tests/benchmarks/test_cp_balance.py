@@ -32,10 +32,10 @@ def test_zigzag_balances_the_causal_indexer():
     report = cb.balance(2_097_152, 32, 2048)["layouts"]
     assert report["zigzag"]["indexer_pairs"]["imbalance"] == 1.0
     # Contiguous: the last device's c = S/N queries score c(2S-c+1)/2 pairs against a mean of S(S+1)/(2N),
-    # i.e. (2S-c+1)/(S+1) = (2N-1)/N up to a 1/S term (1.96875 here; BUILD_NOTES prints 1.969).
+    # i.e. (2S-c+1)/(S+1) = (2N-1)/N up to a 1/S term (1.96875 here; RESULTS.md prints 1.969).
     s, c = 2_097_152, 2_097_152 // 32
     assert report["contiguous"]["indexer_pairs"]["imbalance"] == pytest.approx((2 * s - c + 1) / (s + 1), rel=1e-12)
     assert report["contiguous"]["attention_keys"]["imbalance"] == report["zigzag"]["attention_keys"]["imbalance"]
-    assert round(report["zigzag"]["attention_keys"]["imbalance"], 4) == 1.0005  # as BUILD_NOTES quotes
+    assert round(report["zigzag"]["attention_keys"]["imbalance"], 4) == 1.0005  # as benchmarks/RESULTS.md quotes
     with pytest.raises(ValueError, match="divisible"):
         cb.ranges("zigzag", 100, 32)

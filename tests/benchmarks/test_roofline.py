@@ -123,7 +123,7 @@ def test_script_json_subprocess():
     seed = rep["seed"]["by_variant"]["indexshare/bf16_indexer"]
     assert seed["first_candidate_over_bound"] == pytest.approx(1867.58 / seed["prefill_bound_s"])
     assert abs(rep["design_check"]["relative_difference"]) < 0.10
-    # The figures BUILD_NOTES quotes from this command (to their printed digits).
+    # The figures benchmarks/RESULTS.md quotes from this command (to their printed digits).
     prefill = {v: row["bounds"]["H20"]["total_s"] for v, row in rep["workloads"]["prefill"].items()}
     assert round(prefill["indexshare/bf16_indexer"], 1) == 124.6
     assert round(prefill["indexshare/fp8_indexer"], 1) == 84.6

@@ -30,7 +30,7 @@ UNJUDGED_AT_QUICK_SIZE = {
 }
 
 
-# ~140 s: the quick benchmark run (a user command, not a correctness check); CI runs the rehearsal instead.
+# ~140 s: the quick benchmark run (a user command, not a correctness check), slow for CI's budget.
 pytestmark = pytest.mark.slow
 
 

@@ -397,7 +397,8 @@ def test_interrupted_save_keeps_old_checkpoint(tmp_path, monkeypatch, loaded, lo
     path = tmp_path / "ckpt"
     glm52_jax.save_pretrained(loaded, path, max_shard_bytes=128 * 1024)
     before = dir_digest(path)
-    real_write = hf_io.write_safetensors
+    from glm52_jax.checkpoint import hf_save
+    real_write = hf_save.write_safetensors
     calls = []
 
     def crashing_write(fpath, tensors, *args, **kwargs):
@@ -408,7 +409,7 @@ def test_interrupted_save_keeps_old_checkpoint(tmp_path, monkeypatch, loaded, lo
             f.write(b"\x10\x00\x00\x00")
         raise OSError("disk full")
 
-    monkeypatch.setattr(hf_io, "write_safetensors", crashing_write)
+    monkeypatch.setattr(hf_save, "write_safetensors", crashing_write)
     other = glm52_jax.GlmMoeDsa(loaded.cfg, glm52_jax.ModelOptions(param_dtype=jnp.float32), rngs=nnx.Rngs(3))
     with pytest.raises(OSError, match="disk full"):
         glm52_jax.save_pretrained(other, path, max_shard_bytes=max_shard_bytes)

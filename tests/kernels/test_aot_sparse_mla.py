@@ -3,7 +3,7 @@
 Triton and ptxas run for real (glm52_jax.kernels.aot): the kernels must lower for the GPU and fit the
 target's shared memory per block at GLM-5.2's shapes (64 heads, C 512, R 64, k 2048), in bf16 and in
 float32 (the parity runs' tiles); a tiny model's LoRA train step with kernels="pallas" compiles too. Registers and
-spills are reported by the compile (see BUILD_NOTES), not asserted.
+spills are reported by the compile (see benchmarks/RESULTS.md), not asserted.
 """
 
 import re

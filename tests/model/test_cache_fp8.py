@@ -270,7 +270,7 @@ def test_indexer_topk_overlap_with_fp8_keys():
     e4m3 keys with per-row scales against the same keys in float32, as the fraction of the float32 top-k the
     FP8 one also selects. Floor (stated before measuring): mean >= 0.95 and every query >= 0.90. Reason: the
     indexer kernel's FP8 variant, which rounds the queries too, measured a mean top-2048 overlap of 0.972 (min
-    0.962) at ~16K keys (BUILD_NOTES), a selected fraction (1/8) near this test's (256/3000); rounding only the
+    0.962) at ~16K keys (RESULTS.md), a selected fraction (1/8) near this test's (256/3000); rounding only the
     keys should do no worse, and the floor leaves ~0.02 for other inputs and shapes. Measured: mean 0.9771,
     min 0.9727 (printed with -s); GLM-5.2's shapes: benchmarks/fp8_cache.py."""
     q, w, _ = indexer_inputs(11, b=1, s=8, h=8, i=32)
@@ -331,7 +331,7 @@ def test_decode_logits_within_the_e4m3_bound(request, which):
     index_topk raised to cover every key (the indexer then selects all causal keys, so selection cannot flip,
     and the latents' rounding is what is measured); the selection's sensitivity to FP8 keys is bounded by
     `test_indexer_topk_overlap_with_fp8_keys`, and the end-to-end effect at the shipped index_topk is measured
-    (benchmarks/fp8_cache.py, BUILD_NOTES).
+    (benchmarks/fp8_cache.py, benchmarks/RESULTS.md).
 
     Measured (printed with -s): tiny 0.0053 (greedy tokens 8 of 8 the same); policy 0.089 (16 of 16).
     """

@@ -100,7 +100,8 @@ def test_a_dead_peer_fails_the_survivor_in_bounded_time():
     assert "stopped sending heartbeats" in outs[0][1], outs[0][1][-3000:]
 
 
-# ~80 s; CI runs the whole transaction on two processes for both meshes instead (tests/rl/test_rehearsal.py).
+# ~80 s, slow for CI's budget (as are the 2-process rehearsals of the whole transaction, tests/rl/test_rehearsal.py);
+# in CI, two processes form one mesh above and export a model in tests/rl/test_export_processes.py.
 @pytest.mark.slow
 def test_two_processes_run_a_sharded_forward_and_training_step(tmp_path):
     """2 processes x 4 devices (context 4 x expert 2 across both) vs the same step on one device."""

@@ -110,6 +110,10 @@ def test_folded_memory_matches_the_abstract_state(folded):
     train = folded["programs"]["train"]["memory"]
     resident = weights + 2 * model["lora_bytes_per_device"] + cache["batch1_bytes_per_device"]
     assert 0 < train["argument_bytes"] - resident < 1024
+    # Its outputs are what the run's update program returns (`rl.update.grpo_step`): the new adapters, both moments
+    # and the accumulated gradients (4 LoRA copies), plus the loss, log-probs, metrics and one finiteness flag per
+    # adapter array: small next to one LoRA copy, so a LoRA-sized output missing or extra fails here.
+    assert 0 < train["output_bytes"] - 4 * model["lora_bytes_per_device"] < model["lora_bytes_per_device"] / 16
     # The inventory reads the weights where they live and returns 4 uint32 lanes per array, nothing else.
     inventory = folded["programs"]["inventory"]
     n_arrays = int(inventory["what"].split(" of ")[1].split()[0])

@@ -198,7 +198,7 @@ def test_processes_that_score_differently_stop_before_the_search_diverges(tmp_pa
     assert not (tmp_path / "w" / "checkpoints").exists() or not any((tmp_path / "w" / "checkpoints").iterdir())
 
 
-# ~460 s in CI (two 2-step runs), slow for CI's budget: the folded 2-process run above stays in CI; the peer
+# ~460 s in CI (two 2-step runs), slow for CI's budget (the folded 2-process run above is slow too); the peer
 # watch's own tests (tests/parallel/test_peer_watch.py) cover the heartbeat logic.
 @pytest.mark.slow
 def test_killed_process_stops_the_other_and_the_rerun_reproduces_the_steps(one_device, tmp_path, jit_cache):

@@ -1,5 +1,7 @@
 """One GRPO update: LoRA-only AdamW step; a non-finite gradient aborts it with nothing changed."""
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,6 +71,33 @@ def test_one_step_trains_lora_only(fresh, batch):
     # A's gradient is zero while B = 0: only weight decay moves it, by lr * wd * A.
     a_path = ("lm_head_lora", "a")
     np.testing.assert_allclose(_flat(model, LoRA)[a_path], lora_before[a_path] * (1 - 1e-3 * 0.01), rtol=1e-6)
+
+
+def test_the_step_is_one_program_with_the_clipped_adamw_step(fresh, batch):
+    """`grpo_update` runs one program, `grpo_step` (the one plan mode's train program compiles); the model and the
+    optimizer take exactly its outputs: its gradient norm, and every adapter after the step equal to AdamW's first
+    step written out in numpy from the gradients it returns (clip to max_grad_norm, m = (1-b1) g, v = (1-b2) g^2,
+    bias-corrected, decoupled weight decay). No other program is compiled."""
+    from glm52_jax.plan import programs
+
+    assert "update.grpo_step(" in inspect.getsource(programs.train_program)
+    model = nnx.clone(fresh)
+    optimizer = LoRAOptimizer(model, ADAMW)
+    before = _flat(model, LoRA)
+    result = grpo_update(model, optimizer, **batch, mode="shared_prefix")
+    grads = {path: np.asarray(v.get_value(), np.float64) for path, v in nnx.to_flat_state(result.grads)}
+    assert grads.keys() == before.keys() and all(np.isfinite(g).all() for g in grads.values())
+    norm = np.sqrt(sum((g ** 2).sum() for g in grads.values()))
+    np.testing.assert_allclose(float(result.grad_norm), norm, rtol=1e-5)
+    scale = min(1.0, ADAMW.max_grad_norm / norm)
+    b1, b2, eps, lr, wd = ADAMW.b1, ADAMW.b2, ADAMW.eps, ADAMW.learning_rate, ADAMW.weight_decay
+    for path, after in _flat(model, LoRA).items():
+        g = grads[path] * scale
+        m_hat, v_hat = (1 - b1) * g / (1 - b1), (1 - b2) * g ** 2 / (1 - b2)
+        expect = before[path] - lr * (m_hat / (np.sqrt(v_hat) + eps) + wd * before[path])
+        np.testing.assert_allclose(after, expect, rtol=1e-5, atol=1e-8, err_msg=str(path))
+    moments = [np.asarray(x) for x in jax.tree.leaves(optimizer.opt_state) if np.asarray(x).dtype == np.float32]
+    assert sum(x.size for x in moments) == 2 * sum(g.size for g in grads.values())  # mu and nu of every adapter
 
 
 def test_one_step_on_an_fp8_base_trains_lora_only(fresh, batch):
