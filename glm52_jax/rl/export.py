@@ -72,6 +72,17 @@ def export_run(spec: RunSpec, workdir: str | os.PathLike, *, export_dir: str | o
             shutil.rmtree(holder, ignore_errors=True)
 
 
+def export_topology(spec: RunSpec) -> RunSpec:
+    """The settings export builds the policy with: the run's, except that in one process whose devices cannot
+    hold the run's mesh (a run saved on 8 GPUs exported on a laptop) the adapters are restored onto one device:
+    the export is the same files on any mesh, so export works anywhere (memory permitting)."""
+    import jax
+
+    if jax.process_count() == 1 and jax.device_count() < spec.mesh_spec().size:
+        return spec.replace(mesh="")
+    return spec
+
+
 def _export(spec: RunSpec, inputs, ckpts, step: int, out: Path, holder: Path | None, merged: bool,
             quantization: dict | None) -> dict:
     """Restores the adapters on the run's mesh and writes the export (process 0, `holder` set: into
@@ -81,7 +92,7 @@ def _export(spec: RunSpec, inputs, ckpts, step: int, out: Path, holder: Path | N
               "merged_positions": positions}
     if quantization is not None:
         record["merged_quantization"] = quantization
-    mesh_spec, mesh = train_mesh(spec)
+    mesh_spec, mesh = train_mesh(export_topology(spec))
     with contextlib.ExitStack() as stack:
         if mesh is not None:
             from glm52_jax.parallel.rules import axis_rules

@@ -42,3 +42,27 @@ def test_keep_deletes_all_but_the_newest_steps(tmp_path):
     again, _, _ = _save_steps(tmp_path / "ckpt", (5,), keep=1)
     assert again.all_steps() == [5]
     again.close()
+
+
+def test_a_step_saved_on_one_device_restores_onto_a_mesh(tmp_path):
+    """Another topology: the adapters come back with the target mesh's sharding, the optimizer's step count and
+    the RNG key replicated over that mesh (not committed to the device that saved them, which no program on
+    the mesh could take), and without Orbax's "unsafe when restoring on a different topology" warning."""
+    import warnings
+
+    ckpts, _, _ = _save_steps(tmp_path / "ckpt", (1,), keep=1)
+    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
+    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None))
+    model = _Adapted()
+    model.a.set_value(jax.device_put(jnp.zeros((2, 3), jnp.float32), sharded))
+    optimizer = LoRAOptimizer(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = ckpts.restore(1, model, optimizer)
+    assert not [w for w in caught if "different topology" in str(w.message)], [str(w.message) for w in caught]
+    assert model.a.get_value().sharding == sharded
+    assert state.rng.sharding.mesh == mesh and state.rng.sharding.is_fully_replicated
+    np.testing.assert_array_equal(jax.random.key_data(state.rng), jax.random.key_data(jax.random.key(1)))
+    counts = [x for x in jax.tree.leaves(optimizer.opt_state) if x.ndim == 0]
+    assert counts and all(set(c.sharding.device_set) == set(mesh.devices.flat) for c in counts)
+    ckpts.close()

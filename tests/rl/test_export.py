@@ -29,3 +29,12 @@ def test_tokenizer_files_follow_the_run(tmp_path):
     spec = config_spec("tiny", **{"model.checkpoint": str(ckpt), "model.tokenizer": str(own / "my_tokenizer.json")})
     assert tokenizer_files(spec.model) == {"tokenizer.json": own / "my_tokenizer.json",
                                            "tokenizer_config.json": own / "tokenizer_config.json"}
+
+
+def test_export_runs_where_the_runs_mesh_does_not_fit():
+    """A run saved on 16 devices, exported by one process of 8: the adapters go to one device (an export is
+    the same files on any mesh); a mesh that fits is kept."""
+    from glm52_jax.rl.export import export_topology
+
+    assert export_topology(config_spec("tiny", mesh="context=16")).mesh == ""
+    assert export_topology(config_spec("tiny", mesh="context=2")).mesh == "context=2"
