@@ -122,7 +122,7 @@ def from_layout(x: jax.Array, lay: Layout, axis: int = 1) -> jax.Array:
 # devices) runs its per-token work that would hold [tokens, heads, ...] or [tokens, intermediate] temporaries in
 # blocks of this many per device: the attention q_b .. o_proj (`mla.Attention._whole_in_blocks`) and the dense
 # SwiGLU MLPs (`moe.MLP`). Shorter ones (training, parity, tests) run at once.
-WHOLE_QUERY_BLOCK = 32_768
+WHOLE_QUERY_BLOCK = 16_384
 
 
 def whole_blocks(length: int, ways: int) -> int:

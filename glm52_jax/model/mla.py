@@ -158,11 +158,14 @@ class Attention(nnx.Module):
 
         cos_b, sin_b = (split(jnp.broadcast_to(a, (q_resid.shape[0], *a.shape[1:])), 1) for a in (cos, sin))
         xs = (split(q_resid, 1), cos_b, sin_b, split(positions, 0),
-              None if index is None else (split(index[0], 1), split(index[1], 1)),
+              # The indexer's queries are parameter-dtype values held in float32 (`indexer.Indexer.project`): the
+              # blocked copy keeps them in that dtype (4 -> 2 GiB at 262,144 tokens per device), exactly.
+              None if index is None else (split(index[0].astype(self.opts.param_dtype), 1), split(index[1], 1)),
               None if prev_topk is None else split(prev_topk, 1))
 
         def one(args):
             q_resid, cos, sin, q_positions, qi, prev = args
+            qi = None if qi is None else (qi[0].astype(index[0].dtype), qi[1])
             q_lat, q_rope = self._query(q_resid, cos, sin)
             out_lat, topk = context.cp_sparse_attention(
                 layout, q_lat, q_rope, c_kv, k_rope, positions, None if qi is None else (*qi, index[2]), prev,

@@ -105,6 +105,16 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """`x: [B,S,D] -> [B,S,D]`."""
+        lay = context.current()
+        if lay is not None and (blocks := context.whole_blocks(x.shape[1], lay.ways)) > 1:
+            # A long whole-sequence CP forward: the exchange's float32 output for every local token (6 GiB at
+            # 262,144 tokens per device) exists for one block at a time. Each block holds whole rounds of
+            # `token_block` tokens of every device, so the rounds (and their passes) are the unblocked ones.
+            xs = context.split_blocks(x, 1, lay.ways, blocks)
+            return context.join_blocks(jax.lax.map(self._experts, xs), 1, lay.ways, blocks)
+        return self._experts(x)
+
+    def _experts(self, x: jax.Array) -> jax.Array:
         batch, seq, d = x.shape
         flat = x.reshape(-1, d)
         # float32 router through `project` (a few tokens' call keeps it in place, as the other weights)
