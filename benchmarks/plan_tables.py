@@ -19,7 +19,7 @@ from glm52_jax.model.loop_scopes import CACHED_KEY_LOOP, CAUSAL_KEY_LOOP, SUFFIX
 
 KEY_LOOPS = (CAUSAL_KEY_LOOP, CACHED_KEY_LOOP, SUFFIX_KEY_LOOP)
 PARTS = {  # part -> the kernel classes it sums (key-loop overhead and other memory are split below)
-    "indexer scoring": ("dsa_index_scores",),
+    "indexer scoring": ("dsa_index_scores", "dsa_index_scores_fp8"),
     "top-k merge": ("dsa_topk_select", "sort"),
     "sparse MLA": ("sparse_mla_forward", "sparse_mla_backward", "sparse_mla_segment_sum"),
     "routed experts (grouped matmul)": ("grouped_matmul",),
