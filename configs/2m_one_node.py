@@ -12,7 +12,8 @@ on the projection matrices, `model.base_weights="fp8"`: an FP8 checkpoint loads 
 as it is read) it is 746 GB, 93.3 GB per device. The plan compiles every program for the H200 with XLA's GPU
 compiler (topology 1x1x8) and judges it against the H200's measured 150.75e9 B x 0.90 (the memory fraction the
 launcher sets): with the FP8 cache and 16K prefill chunks every program fits (largest: a chunk, 127.6 of 135.7 GB;
-modeled first candidate central 1,861 s, 1,591-2,603 s; benchmarks/RESULTS.md).
+modeled first candidate central 1,861 s, 1,591-2,603 s; benchmarks/RESULTS.md); the whole-prompt prefill (the mode
+set below) fits too, 134.2 GB, modeled 394 s central for the prefill.
 Keys not set here keep configs/2m.py's values.
 """
 
@@ -33,7 +34,8 @@ def get_config():
     # 25.0 (bf16), which the programs holding two caches (a chunk's cache in and out) and train need to fit. The
     # prefix cache's 16 GiB per device (configs/2m.py) keeps it: the next candidate recomputes only its tail.
     c.model.cache_dtype = "float8_e4m3fn"
-    # Chunked prefill: 128 calls of 16K against the cache (the weights, the cache in and the cache out: 127.6 GB
-    # planned) instead of one whole-prompt forward (204.1 GB: the 262,144 tokens per device's attention activations).
-    c.sampling.prefill_mode = "chunked"
+    # Whole-prompt prefill (configs/2m.py's), the lower estimate: one context-parallel forward whose attention, MLPs
+    # and MoE run in 16,384-token blocks per device (context_parallel.WHOLE_QUERY_BLOCK) fits (134.2 of 135.7 GB
+    # planned at 426c096) and is modeled at 394 s central (353-686 s) against 128 x 14.5 s = 1,856 s for 16K chunks
+    # (127.6 GB; benchmarks/results/plan_2m_one_node_h200.json). Not yet re-planned with every program in this mode.
     return c
