@@ -5,7 +5,11 @@ Read from the environment, in this order:
    `launch/run_node.sh` and by the two-process CPU test;
 2. SLURM (`SLURM_PROCID`, `SLURM_NTASKS`, first host of `SLURM_STEP_NODELIST`/`SLURM_JOB_NODELIST`,
    port `GLM52_COORDINATOR_PORT` or 12355) — one task per node, as `launch/slurm_4x8.sbatch` runs;
-3. nothing: a single process (no `jax.distributed` call at all).
+3. a Kubernetes Indexed Job's pod (a JobSet's workers are one; Kubernetes sets `JOB_COMPLETION_INDEX`) without
+   the explicit variables: JAX's own Kubernetes bootstrap (`jax.distributed.initialize()` without arguments,
+   the `k8s` extra = `jax[k8s]`; it asks the API server for the Job's pods, so the pod's service account
+   needs read access to pods). `launch/k8s_jobset.yaml` sets the explicit variables instead (no API access);
+4. nothing: a single process (no `jax.distributed` call at all).
 
 On CPU the processes talk through gloo (`jax_cpu_collectives_implementation`), which is how
 multi-host is tested on one machine: two processes x 4 virtual devices form one 8-device mesh.
@@ -114,13 +118,48 @@ def _join(group: ProcessGroup, timeout_s: int, heartbeat_s: int) -> None:
                                f"at {group.coordinator} ({group.source}) within {timeout_s} s: {first}") from None
 
 
+def kubernetes_job(env: Mapping[str, str] | None = None) -> bool:
+    """This process is a pod of a Kubernetes Indexed Job (JobSet workers are one) and no explicit or SLURM
+    variables describe the process group: JAX's Kubernetes bootstrap finds the group."""
+    env = os.environ if env is None else env
+    return "KUBERNETES_SERVICE_HOST" in env and "JOB_COMPLETION_INDEX" in env and from_env(env) is None
+
+
+def _join_kubernetes(env: Mapping[str, str], timeout_s: int, heartbeat_s: int) -> ProcessGroup:
+    """`jax.distributed.initialize()` without arguments (JAX's K8sCluster: the Job's pods from the API server,
+    pod 0 the coordinator); a missing `kubernetes` package is one line naming both ways out, not JAX's warning
+    followed by a single-process run that would then hang the other pods."""
+    import importlib.util
+
+    where = f"Kubernetes Job pod (JOB_COMPLETION_INDEX={env['JOB_COMPLETION_INDEX']})"
+    if importlib.util.find_spec("kubernetes") is None:
+        raise CoordinatorError(f"{where} without GLM52_COORDINATOR: JAX's Kubernetes bootstrap needs the k8s extra "
+                               "(pip install -e '.[k8s]'), or set GLM52_COORDINATOR, GLM52_NUM_PROCESSES and "
+                               "GLM52_PROCESS_ID as launch/k8s_jobset.yaml does")
+    import jax
+
+    try:
+        jax.distributed.initialize(initialization_timeout=timeout_s, heartbeat_timeout_seconds=heartbeat_s)
+    except Exception as e:  # the API server refused (service account rights), or the pods never met
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise CoordinatorError(f"{where} could not form the process group through JAX's Kubernetes bootstrap "
+                               f"within {timeout_s} s: {first}") from None
+    from jax._src import distributed as jax_distributed  # the address JAX chose; only for the progress lines
+
+    address = getattr(jax_distributed.global_state, "coordinator_address", None) or "?"
+    return ProcessGroup(address, jax.process_count(), jax.process_index(), "Kubernetes (jax[k8s])")
+
+
 def initialize(env: Mapping[str, str] | None = None, *, timeout_s: int = 300,
                heartbeat_s: int = 100) -> ProcessGroup | None:
     """Joins the process group from the environment (no-op for a single process).
 
     `heartbeat_s` bounds how long a live process keeps waiting on a dead peer before it fails.
     """
+    env = os.environ if env is None else env
     group = from_env(env)
+    if group is None and kubernetes_job(env):
+        return _join_kubernetes(env, timeout_s, heartbeat_s)
     if group is None or group.num_processes == 1:
         return group
     import jax

@@ -165,3 +165,23 @@ def test_a_coordinator_port_in_use_is_one_line_naming_the_address():
             check_coordinator_port(ProcessGroup(f"127.0.0.1:{port}", 2, 0, "GLM52_*"))
         check_coordinator_port(ProcessGroup(f"127.0.0.1:{port}", 2, 1, "GLM52_*"))
     check_coordinator_port(ProcessGroup(f"127.0.0.1:{port}", 2, 0, "GLM52_*"))  # released: free again
+
+
+def test_a_kubernetes_job_pod_without_the_explicit_variables_uses_jax_bootstrap_or_says_what_is_missing():
+    """An Indexed Job's pod (Kubernetes sets JOB_COMPLETION_INDEX) with no GLM52_* / SLURM variables is JAX's
+    Kubernetes bootstrap's; explicit variables still win. Without the `kubernetes` package (the k8s extra) the
+    join is one line naming the extra and the explicit variables, instead of a silent single-process run."""
+    import importlib.util
+
+    from glm52_jax.parallel.distributed import CoordinatorError, initialize, kubernetes_job
+
+    pod = {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "JOB_COMPLETION_INDEX": "3"}
+    assert kubernetes_job(pod)
+    assert not kubernetes_job({"KUBERNETES_SERVICE_HOST": "10.0.0.1"})  # a plain pod: one process
+    explicit = {**pod, "GLM52_COORDINATOR": "pod-0.svc:12355", "GLM52_NUM_PROCESSES": "4", "GLM52_PROCESS_ID": "3"}
+    assert not kubernetes_job(explicit)
+    if importlib.util.find_spec("kubernetes") is not None:
+        pytest.skip("the kubernetes package is installed: the bootstrap would call the API server")
+    with pytest.raises(CoordinatorError, match=r"^Kubernetes Job pod \(JOB_COMPLETION_INDEX=3\) without "
+                       r"GLM52_COORDINATOR: .*pip install -e '\.\[k8s\]'.*GLM52_PROCESS_ID"):
+        initialize(pod)
