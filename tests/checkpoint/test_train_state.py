@@ -66,3 +66,30 @@ def test_a_step_saved_on_one_device_restores_onto_a_mesh(tmp_path):
     counts = [x for x in jax.tree.leaves(optimizer.opt_state) if x.ndim == 0]
     assert counts and all(set(c.sharding.device_set) == set(mesh.devices.flat) for c in counts)
     ckpts.close()
+
+
+def test_a_step_saved_on_a_mesh_restores_onto_one_device(tmp_path):
+    """The other direction (8 GPUs -> 1 to inspect a run): state saved with the adapters sharded over a 4-device
+    mesh and the key replicated there comes back whole on device 0, values equal."""
+    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
+    on_mesh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", None))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    model = _Adapted()
+    model.a.set_value(jax.device_put(jnp.arange(12, dtype=jnp.float32).reshape(4, 3), on_mesh))
+    optimizer = LoRAOptimizer(model)
+    ckpts = RunCheckpoints(tmp_path / "ckpt", max_to_keep=1)
+    ckpts.save(model, optimizer, RunState(step=7, rng=jax.device_put(jax.random.key(7), replicated), cursor=7,
+                                          optimizer_steps=0, meta={"config_sha256": "c"}))
+    ckpts.close()
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = _Adapted()
+    target.a.set_value(jax.device_put(jnp.zeros((4, 3), jnp.float32), one))
+    target_optimizer = LoRAOptimizer(target)
+    again = RunCheckpoints(tmp_path / "ckpt", max_to_keep=1)
+    state = again.restore(7, target, target_optimizer)
+    assert state.step == 7 and state.cursor == 7
+    assert target.a.get_value().sharding.device_set == {jax.devices()[0]}
+    np.testing.assert_array_equal(np.asarray(target.a.get_value()), np.arange(12, dtype=np.float32).reshape(4, 3))
+    assert state.rng.sharding.device_set == {jax.devices()[0]}
+    np.testing.assert_array_equal(jax.random.key_data(state.rng), jax.random.key_data(jax.random.key(7)))
+    again.close()

@@ -797,6 +797,8 @@ def test_the_committed_online_receipt_is_what_this_code_computes(runs):
     assert result_differences(_receipt(workdir, 2), committed, ignore=("topology.devices",))  # can fail
 
 
+@pytest.mark.slow  # ~80 s (every program compiled for the new mesh); CI keeps the restore onto a mesh in
+# tests/checkpoint/test_train_state.py::test_a_step_saved_on_one_device_restores_onto_a_mesh
 def test_a_step_saved_on_one_device_resumes_on_a_mesh(inproc, tmp_path):
     """Resume on another topology: step 1 of the uninterrupted 1-device run, resumed on a 2-device mesh
     (the rerun changes only `mesh`), computes step 2 as the uninterrupted run did: every deterministic field
