@@ -53,13 +53,14 @@ class KernelConfig:
     segment_block: int = 16
 
     def for_dtype(self, dtype) -> KernelConfig:
-        """The backward's tiles for inputs of `dtype`: 4-byte inputs (float32 parity runs) double its float32
-        accumulators' registers per slot and head, so 16-slot steps, 16-head blocks and 4 warps. Shared memory
-        is `fitted`'s."""
+        """The tiles' register limits for inputs of `dtype`: 4-byte inputs (float32 parity runs) double every
+        gathered tile's registers, so 16-slot steps (sm_90a, C 512, two tables: 32-slot steps fit shared memory,
+        221,440 B, but ptxas spilled 87,556 B per thread; 16-slot steps 0), 16-head backward blocks and 4 warps.
+        Shared memory is `fitted`'s."""
         if jnp.dtype(dtype).itemsize < 4:
             return self
-        return dataclasses.replace(self, bwd_block_k=min(self.bwd_block_k, 16), bwd_block_h=min(self.bwd_block_h, 16),
-                                   bwd_num_warps=4, bwd_num_stages=1)
+        return dataclasses.replace(self, block_k=min(self.block_k, 16), bwd_block_k=min(self.bwd_block_k, 16),
+                                   bwd_block_h=min(self.bwd_block_h, 16), bwd_num_warps=4, bwd_num_stages=1)
 
     def fitted(self, dtype, tables: int, heads: int, latent: int, rope: int, slots: int,
                limit: int | None = None) -> KernelConfig:

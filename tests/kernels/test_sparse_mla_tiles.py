@@ -31,7 +31,7 @@ MEASURED = [("forward", "bfloat16", 1, 64, 2, 221_440), ("forward", "bfloat16", 
             ("forward", "bfloat16", 2, 32, 2, 184_704), ("forward", "bfloat16", 2, 32, 1, 110_592),
             ("forward", "bfloat16", 2, 16, 3, 129_280), ("forward", "bfloat16", 1, 32, 3, 147_840),
             ("forward", "float32", 1, 16, 2, 188_736), ("forward", "float32", 1, 16, 1, 184_576),
-            ("forward", "float32", 2, 16, 1, 184_576),
+            ("forward", "float32", 2, 16, 1, 184_576), ("forward", "float32", 2, 32, 1, 221_440),
             ("backward", "bfloat16", 1, 32, 1, 135_168), ("backward", "bfloat16", 1, 32, 2, 139_392),
             ("backward", "bfloat16", 2, 32, 1, 135_168), ("backward", "bfloat16", 1, 64, 1, 274_432),
             ("backward", "float32", 1, 16, 1, 106_496)]
