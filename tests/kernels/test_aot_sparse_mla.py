@@ -87,7 +87,7 @@ def test_decode_over_cache_compiles_for_h20():
     assert compiled.memory["temp"] < 64 * 2**20
 
 
-@pytest.mark.slow  # ~20 s of deviceless compile; a check of ptxas's limit, not of a configuration the run uses
+@pytest.mark.slow  # ~2 s (Triton refuses it before ptxas); test_aot.py checks the same refusal in CI for the indexer
 def test_oversized_block_is_rejected():
     """128-slot steps with 4 pipeline stages hold ~600 KiB of row tiles: more than sm_90's 227 KiB per block.
     Called below `sparse_mla_tables`, which fits any configured tiles to the limit (`KernelConfig.fitted`)."""
@@ -121,7 +121,7 @@ def test_tiny_model_train_step_compiles():
     assert set(KERNELS) <= set(compiled.kernels), sorted(compiled.kernels)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # 19.9 s of deviceless compile: CI checks the tiles' bound instead (test_sparse_mla_tiles.py)
 def test_two_table_forward_fits_h20():
     """A cached chunk's forward reads two tables (the cache and its own rows): at 64-slot steps it asked 295,680 B
     of shared memory (the 32K parity chunks, before cached chunks on a mesh took the context-parallel jnp path);
