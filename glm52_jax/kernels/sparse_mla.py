@@ -39,6 +39,7 @@ class KernelConfig:
     query tokens than this split the slots over several programs per query (decode), up to about this
     many programs in all. chunk_entries: (query, slot) entries whose per-slot key-row gradients the
     backward holds at once. segment_block: entries summed per step of the deterministic scatter-add.
+    The steps and stages are upper limits: `sparse_mla_tables` runs `for_dtype(...).fitted(...)` of them.
     """
 
     block_k: int = 64
