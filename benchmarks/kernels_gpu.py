@@ -187,7 +187,10 @@ def _time_mla(shape, batch, queries, keys, peak, configs, kinds, tag, deadline):
             emit({"section": tag, "skipped": f"{kernels} {config}: time box"})
             continue
         fwd, grads = _mla_fns(shape.get("scale", 0.04), kernels, config)
-        row = {"section": tag, "kernels": kernels, "config": None if config is None else str(config),
+        # The tiles that run: sparse_mla_tables fits the given ones to the GPU's shared memory (KernelConfig.fitted).
+        ran = None if config is None else config.for_dtype(jnp.bfloat16).fitted(
+            jnp.bfloat16, 1, max(16, shape["heads"]), shape["latent"], shape["rope"], shape["topk"])
+        row = {"section": tag, "kernels": kernels, "config": None if config is None else str(ran),
                "batch": batch, "queries": queries, "keys": keys, "topk": shape["topk"], "heads": shape["heads"]}
         try:
             t = _timed(fwd, *args)

@@ -39,6 +39,7 @@ class KernelConfig:
     query tokens than this split the slots over several programs per query (decode), up to about this
     many programs in all. chunk_entries: (query, slot) entries whose per-slot key-row gradients the
     backward holds at once. segment_block: entries summed per step of the deterministic scatter-add.
+    The steps and stages are upper limits: `sparse_mla_tables` runs `for_dtype(...).fitted(...)` of them.
     """
 
     block_k: int = 64
@@ -53,19 +54,77 @@ class KernelConfig:
     segment_block: int = 16
 
     def for_dtype(self, dtype) -> KernelConfig:
-        """The tiles for inputs of `dtype`: 4-byte inputs (float32 parity runs) double every tile's bytes, so
-        they take 16-slot steps, 16-head backward blocks and no extra pipeline stage (sm_90: 227 KiB per block)."""
+        """The tiles' register limits for inputs of `dtype`: 4-byte inputs (float32 parity runs) double every
+        gathered tile's registers, so 16-slot steps (sm_90a, C 512, two tables: 32-slot steps fit shared memory,
+        221,440 B, but ptxas spilled 87,556 B per thread; 16-slot steps 0), 16-head backward blocks and 4 warps.
+        Shared memory is `fitted`'s."""
         if jnp.dtype(dtype).itemsize < 4:
             return self
-        return dataclasses.replace(self, block_k=min(self.block_k, 16), num_stages=1,
-                                   bwd_block_k=min(self.bwd_block_k, 16), bwd_block_h=min(self.bwd_block_h, 16),
-                                   bwd_num_warps=4, bwd_num_stages=1)
+        return dataclasses.replace(self, block_k=min(self.block_k, 16), bwd_block_k=min(self.bwd_block_k, 16),
+                                   bwd_block_h=min(self.bwd_block_h, 16), bwd_num_warps=4, bwd_num_stages=1)
 
-    def for_tables(self, tables: int) -> KernelConfig:
-        """The forward's tiles for rows read from `tables` tables: with two (a cache and a chunk's own rows) the
-        forward's two gathered tiles per table at 64 slots asked 295,680 B of shared memory (sm_90a, 64 heads,
-        C 512; the limit is 232,448); 32-slot steps need 184,704 B (measured by deviceless compiles)."""
-        return self if tables < 2 else dataclasses.replace(self, block_k=min(self.block_k, 32))
+    def fitted(self, dtype, tables: int, heads: int, latent: int, rope: int, slots: int,
+               limit: int | None = None) -> KernelConfig:
+        """These tiles made to fit `limit` bytes of shared memory per block (default sm_90's) for `tables` row
+        tables of inputs of `dtype` and `heads` (padded) x (`latent` + `rope`) query tiles: the forward keeps its
+        software pipeline (num_stages >= 2) and the largest step of at most `block_k` slots that fits with it,
+        one stage only when no 16-slot step fits with two; the backward likewise. Steps never exceed the slots
+        (rounded up to a power of two >= 16). Sizes by `forward_shared_memory` / `backward_shared_memory`
+        (upper bounds of the compiled kernels' use, checked against sm_90a compiles)."""
+        limit = SHARED_MEMORY_PER_BLOCK if limit is None else limit
+        itemsize, cap = jnp.dtype(dtype).itemsize, _pow2_at_least(slots, 16)
+
+        def fwd(block_k, stages):
+            return forward_shared_memory(heads, latent, rope, itemsize, tables, block_k, stages)
+
+        def bwd(block_k, stages):
+            return backward_shared_memory(latent, rope, itemsize, tables, block_k, stages)
+
+        block_k, stages = _fit(min(self.block_k, cap), self.num_stages, fwd, limit, "forward", dtype, heads,
+                               latent + rope, tables)
+        bwd_k, bwd_stages = _fit(min(self.bwd_block_k, cap), self.bwd_num_stages, bwd, limit, "backward", dtype,
+                                 heads, latent + rope, tables)
+        return dataclasses.replace(self, block_k=block_k, num_stages=stages, bwd_block_k=bwd_k,
+                                   bwd_num_stages=bwd_stages)
+
+
+# sm_90's shared memory per block with opt-in (`shared_memory_per_block_optin` of kernels/targets/*.txtpb: H20,
+# H200; the H100 has the same). Triton asks for the opt-in amount; a kernel over it does not launch.
+SHARED_MEMORY_PER_BLOCK = 232_448
+# Barriers, the slot codes and reduction scratch beside the tiles: 256-768 B in the compiles measured, 4,416 B at most.
+_SCRATCH = 4096
+
+
+def forward_shared_memory(heads: int, latent: int, rope: int, itemsize: int, tables: int, block_k: int,
+                          stages: int) -> int:
+    """Bytes of shared memory per block the forward may use: the query tiles [heads, C + R] and, per gathered
+    [block_k, C + R] tile, one operand buffer plus `stages - 1` pipelined loads per table. An upper bound: sm_90a
+    compiles (benchmarks/results/sparse_mla_compile_stats.json) used 221,440 B for this bound's 225,280 (bf16,
+    64 heads, C 512, R 64, 64 slots, 2 stages); Triton's pipeliner may buffer fewer (3 stages: 2 buffers)."""
+    return (heads + (tables * (stages - 1) + 1) * block_k) * (latent + rope) * itemsize + _SCRATCH
+
+
+def backward_shared_memory(latent: int, rope: int, itemsize: int, tables: int, block_k: int, stages: int) -> int:
+    """Bytes of shared memory per block the backward may use: per slot of a step, its float32 key-row gradient
+    staged for the store and the gathered row in both MMA layouts ((C + R) x (4 + 2 x itemsize)), plus `stages - 1`
+    pipelined loads per table. The head block's query tiles stay in registers (compiles at 16 and 32 heads used
+    the same bytes). An upper bound: bf16, C 512, R 64, 32 slots used 135,168 B for this bound's 151,552."""
+    width = latent + rope
+    return block_k * width * (4 + 2 * itemsize) + tables * (stages - 1) * block_k * width * itemsize + _SCRATCH
+
+
+def _fit(block_k: int, stages: int, need, limit: int, kernel: str, dtype, heads: int, width: int,
+         tables: int) -> tuple[int, int]:
+    """The largest (step, stages) within `limit`: stages kept (>= 2 preferred) while a step >= 16 fits."""
+    for try_stages in dict.fromkeys((stages, min(stages, 2), 1)):
+        step = block_k
+        while step >= 16:
+            if need(step, try_stages) <= limit:
+                return step, try_stages
+            step //= 2
+    raise ValueError(f"sparse MLA kernel: no {kernel} tile fits {limit:,} B of shared memory for {heads} heads x "
+                     f"{width} wide {jnp.dtype(dtype).name} rows from {tables} table(s) (even 16 slots, one stage "
+                     f"needs {need(16, 1):,} B); use kernels='reference'")
 
 
 # Measured on an H200 (benchmarks/kernels_gpu.py --tune, bf16, 64 heads, k 2048): forward 64-slot steps with 8
@@ -255,4 +314,6 @@ def sparse_mla_tables(q_lat: jax.Array, q_rope: jax.Array, kv_tables: tuple, kr_
     if len(kv_tables) not in (1, 2) or len(kv_tables) != len(kr_tables):
         raise ValueError("sparse MLA kernel: one or two row tables, the same number for c_kv and k_rope")
     return _sparse_mla(q_lat, q_rope, tuple(kv_tables), tuple(kr_tables), codes.astype(jnp.int32), float(scale),
-                       bool(interpret), config.for_dtype(q_lat.dtype).for_tables(len(kv_tables)))
+                       bool(interpret), config.for_dtype(q_lat.dtype).fitted(
+                           q_lat.dtype, len(kv_tables), _pow2_at_least(q_lat.shape[2], 16), q_lat.shape[-1],
+                           q_rope.shape[-1], codes.shape[-1]))

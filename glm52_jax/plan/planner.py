@@ -85,18 +85,7 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
     if target not in targets.TARGETS:
         raise ValueError(f"plan: target must be one of {targets.TARGETS}, got {target!r}")
     gpu = target in targets.GPU_TARGETS
-    if gpu:
-        from glm52_jax.kernels import aot
-
-        topology = topology or targets.topology_for(mesh_spec.size)
-        devices = aot.topology(target, topology).devices
-        if len(devices) != mesh_spec.size:
-            raise ValueError(f"plan: topology {topology} has {len(devices)} GPUs, mesh {mesh_spec.describe()} "
-                             f"needs {mesh_spec.size}")
-        mesh = mesh_spec.make(devices)
-    else:
-        check_device_count(mesh_spec)
-        mesh = mesh_spec.make(jax.devices()[: mesh_spec.size])
+    mesh, topology = plan_mesh(mesh_spec, target, topology)
     dtype = jnp.dtype(dtype)
     opts = dataclasses.replace(options or ModelOptions(), param_dtype=dtype, lora=lora)
     table = load_table(efficiency_table) if gpu else None
@@ -105,17 +94,11 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
     adamw = adamw or AdamWConfig()
 
     with axis_rules(mesh_spec.rules()):
-        if prompt_tokens + max_new_tokens > model_cfg.max_position_embeddings:
-            raise ValueError(f"plan: prompt_tokens + max_new_tokens = {prompt_tokens + max_new_tokens} exceeds "
-                             f"max_position_embeddings {model_cfg.max_position_embeddings} (apply rope scaling first)")
-        # The sampler's own rule (Sampler.capacity_for): padded so the slot shards divide it.
-        capacity = slot_capacity(prompt_tokens + max_new_tokens, capacity_multiple, ways(mesh, "seq"))
-        probe_capacity = (slot_capacity(probe_tokens + max_new_tokens, capacity_multiple, ways(mesh, "seq"))
-                          if probe_tokens else 0)
-        graphdef, state = abstract_model(model_cfg, opts, mesh, base_fp8)
-        setup = PlanSetup(model_cfg, opts, mesh, graphdef, state, prompt_tokens, max_new_tokens, num_samples,
-                          chunk_size, prefill_mode, capacity, gradient_mode, logprob_chunk, donate_cache,
-                          samples_per_request, probe_tokens, probe_capacity)
+        setup = plan_setup(model_cfg, opts, mesh, prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
+                           num_samples=num_samples, chunk_size=chunk_size, prefill_mode=prefill_mode,
+                           gradient_mode=gradient_mode, logprob_chunk=logprob_chunk, donate_cache=donate_cache,
+                           samples_per_request=samples_per_request, probe_tokens=probe_tokens,
+                           capacity_multiple=capacity_multiple, base_fp8=base_fp8)
         report = static_report(setup, mesh_spec, lora, dtype, base_fp8)
         report["issues"] = []
         report["notes"] = notes_for(target)
@@ -172,6 +155,41 @@ def plan(model_cfg, mesh_spec, *, prompt_tokens: int, max_new_tokens: int, num_s
         report["model_version"] = table.version
     assess(report, report["target"]["budget_bytes"])
     return report
+
+
+def plan_mesh(mesh_spec, target: str, topology: str | None = None):
+    """(mesh, topology) the programs are planned on: the deviceless GPUs of `topology` (default
+    `targets.topology_for(mesh size)`) for a GPU target, else the process's first devices (topology None)."""
+    if target not in targets.GPU_TARGETS:
+        check_device_count(mesh_spec)
+        return mesh_spec.make(jax.devices()[: mesh_spec.size]), None
+    from glm52_jax.kernels import aot
+
+    topology = topology or targets.topology_for(mesh_spec.size)
+    devices = aot.topology(target, topology).devices
+    if len(devices) != mesh_spec.size:
+        raise ValueError(f"plan: topology {topology} has {len(devices)} GPUs, mesh {mesh_spec.describe()} "
+                         f"needs {mesh_spec.size}")
+    return mesh_spec.make(devices), topology
+
+
+def plan_setup(model_cfg, opts, mesh, *, prompt_tokens: int, max_new_tokens: int, num_samples: int,
+               chunk_size: int, prefill_mode: str, gradient_mode: str, logprob_chunk: int = 1024,
+               donate_cache: bool = False, samples_per_request: int = 0, probe_tokens: int = 0,
+               capacity_multiple: int = 256, base_fp8=None) -> PlanSetup:
+    """The abstract model and sizes every program builder (`programs.BUILDERS`) takes; call within the mesh
+    spec's `axis_rules`. `opts`: the ModelOptions with param_dtype / lora set (see `plan`)."""
+    if prompt_tokens + max_new_tokens > model_cfg.max_position_embeddings:
+        raise ValueError(f"plan: prompt_tokens + max_new_tokens = {prompt_tokens + max_new_tokens} exceeds "
+                         f"max_position_embeddings {model_cfg.max_position_embeddings} (apply rope scaling first)")
+    # The sampler's own rule (Sampler.capacity_for): padded so the slot shards divide it.
+    capacity = slot_capacity(prompt_tokens + max_new_tokens, capacity_multiple, ways(mesh, "seq"))
+    probe_capacity = (slot_capacity(probe_tokens + max_new_tokens, capacity_multiple, ways(mesh, "seq"))
+                      if probe_tokens else 0)
+    graphdef, state = abstract_model(model_cfg, opts, mesh, base_fp8)
+    return PlanSetup(model_cfg, opts, mesh, graphdef, state, prompt_tokens, max_new_tokens, num_samples,
+                     chunk_size, prefill_mode, capacity, gradient_mode, logprob_chunk, donate_cache,
+                     samples_per_request, probe_tokens, probe_capacity)
 
 
 def _estimate(text: str, hosts, *, table, target: str, trips: dict[str, Any]) -> dict[str, Any]:

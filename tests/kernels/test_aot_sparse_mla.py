@@ -16,7 +16,8 @@ from flax import nnx
 import glm52_jax
 from glm52_jax import config
 from glm52_jax.kernels import aot
-from glm52_jax.kernels.sparse_mla import DEFAULT_CONFIG, KernelConfig, encode_rows, sparse_mla_tables
+from glm52_jax.kernels import sparse_mla_kernels as kern
+from glm52_jax.kernels.sparse_mla import DEFAULT_CONFIG, encode_rows, sparse_mla_tables
 from glm52_jax.model.lora import LoRA, LoRAConfig
 from glm52_jax.model.sparse_attention import cached_rows, sparse_mla_rows
 from glm52_jax.model.transformer import GlmMoeDsa, token_logprobs
@@ -57,7 +58,7 @@ def test_forward_backward_compile(target, dtype):
     for name in KERNELS:
         resources = compiled.kernels[name]
         assert resources.shared_memory <= _smem_limit(target), (name, resources)
-    tiles = DEFAULT_CONFIG.for_dtype(dtype)
+    tiles = DEFAULT_CONFIG.for_dtype(dtype).fitted(dtype, 1, H, C, R, K)
     forward, backward = compiled.kernels["sparse_mla_forward"], compiled.kernels["sparse_mla_backward"]
     assert forward.shared_memory > 0 and backward.shared_memory > 0  # Triton stages the gathered rows there
     assert forward.grid[:2] == (queries, 1) and forward.threads[0] == 32 * tiles.num_warps
@@ -86,13 +87,19 @@ def test_decode_over_cache_compiles_for_h20():
     assert compiled.memory["temp"] < 64 * 2**20
 
 
-@pytest.mark.slow  # ~40 s of deviceless compile; a check of ptxas's limit, not of a configuration the run uses
+@pytest.mark.slow  # ~2 s (Triton refuses it before ptxas); test_aot.py checks the same refusal in CI for the indexer
 def test_oversized_block_is_rejected():
-    """128-slot steps with 4 pipeline stages hold ~600 KiB of row tiles: more than sm_90's 227 KiB per block."""
-    program, args = _train_attention(64, 4096, jnp.bfloat16, KernelConfig(block_k=128, num_stages=4))
+    """128-slot steps with 4 pipeline stages hold ~600 KiB of row tiles: more than sm_90's 227 KiB per block.
+    Called below `sparse_mla_tables`, which fits any configured tiles to the limit (`KernelConfig.fitted`)."""
+    def forward(codes, q_lat, q_rope, kv, kr):
+        return kern.forward(codes, q_lat, q_rope, (kv,), (kr,), scale=0.04, block_k=128, splits=1, num_warps=8,
+                            num_stages=4, interpret=False, out_dtype=jnp.bfloat16)
+
+    args = (SD((64, K), jnp.int32), SD((64, H, C), jnp.bfloat16), SD((64, H, R), jnp.bfloat16),
+            SD((4096, C), jnp.bfloat16), SD((4096, R), jnp.bfloat16))
     with pytest.raises(aot.SharedMemoryError, match=r"Shared memory size limit exceeded: requested \d+, available: "
                                                     + str(_smem_limit("h200"))):
-        aot.compile_for_gpu(lambda *a: program(*a)[0], *args, target="h200")
+        aot.compile_for_gpu(forward, *args, target="h200")
 
 
 @pytest.mark.slow  # ~300 s here: XLA's deviceless GPU compile of even a one-layer model is slow (reference too)
@@ -114,10 +121,11 @@ def test_tiny_model_train_step_compiles():
     assert set(KERNELS) <= set(compiled.kernels), sorted(compiled.kernels)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # 19.9 s of deviceless compile: CI checks the tiles' bound instead (test_sparse_mla_tiles.py)
 def test_two_table_forward_fits_h20():
     """A cached chunk's forward reads two tables (the cache and its own rows): at 64-slot steps it asked 295,680 B
-    of shared memory (the 2M plan's prefill tail); `KernelConfig.for_tables` halves the step for two tables."""
+    of shared memory (the 32K parity chunks, before cached chunks on a mesh took the context-parallel jnp path);
+    `KernelConfig.fitted` halves the step for two tables (184,704 B)."""
     def program(q_lat, q_rope, c_kv, k_rope, c_new, r_new, topk):
         codes = encode_rows(jnp.maximum(topk, 0), topk >= 0)
         return sparse_mla_tables(q_lat, q_rope, (c_kv, c_new), (k_rope, r_new), codes, scale=0.04)
