@@ -114,7 +114,7 @@ def deadlines_for(timeout_s: float, plan_factor: float, workdir: str | os.PathLi
         planned = None
     if not planned:
         return Deadlines(timeout_s)
-    return Deadlines(timeout_s, planned, f"{path} x {plan_factor:g} (others: --config.watchdog.phase_timeout_s)")
+    return Deadlines(timeout_s, planned, f"{path} x {plan_factor:g}")
 
 
 def _stall(name: str, process: int) -> float:
@@ -309,6 +309,8 @@ def phase(name: str, *, program: str | None = None, step: int | None = None) -> 
 def describe(deadlines: Deadlines) -> str:
     """One line: the deadlines in force (printed when a plan sets some)."""
     planned = ", ".join(f"{k} {v:,.0f} s" for k, v in sorted(deadlines.per_phase.items()))
-    return (f"watchdog: phase deadlines {planned} from {deadlines.source}; others {deadlines.default_s:g} s"
-            if planned else f"watchdog: every phase {deadlines.default_s:g} s ({deadlines.source})")
+    if not planned:
+        return f"watchdog: every phase {deadlines.default_s:g} s ({deadlines.source})"
+    return (f"watchdog: phase deadlines {planned} from {deadlines.source}; other phases {deadlines.default_s:g} s "
+            "(--config.watchdog.phase_timeout_s)")
 

@@ -3,6 +3,7 @@
 Real launcher processes; the hang is the watchdog's test hook (`GLM52_TEST_STALL=PHASE:SECONDS[:PROCESS]`), a sleep
 inside a phase. The unit tests of the watchdog itself: tests/parallel/test_watchdog.py."""
 
+import json
 import os
 import subprocess
 import sys
@@ -18,8 +19,13 @@ from tests.run_helpers import ROOT
 def test_a_phase_past_its_deadline_stops_the_run(tmp_path):
     """One process, the tiny default, stalled in its first phase (loading the policy) past a 2 s deadline: exit
     HANG_EXIT, one line naming the phase and where the stacks are, the stacks naming the phase and showing the
-    stalled frame, the workdir lock released. Seconds: the hang comes before any compile."""
+    stalled frame, the workdir lock released. Seconds: the hang comes before any compile. A GPU plan of the run's
+    mesh in the workdir sets the planned phases' deadlines (said in a line); the others keep the config's."""
     workdir = tmp_path / "run"
+    workdir.mkdir()
+    timed = {"time": {"pessimistic_s": 2.0}, "calls_per_transaction": 4, "seconds": {"lower": 1.0, "compile": 9.0}}
+    (workdir / "plan.json").write_text(json.dumps({"mesh": {"describe": "DP1/TP1/CP1/EP1/PP1"}, "programs": {
+        name: timed for name in ("prefill", "decode", "train", "new_logprobs")}}))
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "glm52_jax.launch", f"--workdir={workdir}",
                            "--config.watchdog.phase_timeout_s=2"], capture_output=True, text=True, timeout=120,
@@ -27,6 +33,8 @@ def test_a_phase_past_its_deadline_stops_the_run(tmp_path):
     seconds = time.monotonic() - start
     stacks = workdir / "watchdog" / "stacks_0.txt"
     assert done.returncode == HANG_EXIT, done.stderr[-3000:]
+    assert (f"watchdog: phase deadlines decode 114 s, prefill 114 s, update 168 s from {workdir / 'plan.json'} x 3; "
+            "other phases 2 s (--config.watchdog.phase_timeout_s)") in done.stderr.splitlines()
     assert done.stderr.splitlines()[-1] == (
         f"hang: phase load passed its deadline of 2 s; processes not finished: 0 (in load); stacks in {stacks}; "
         f"{workdir} has no committed step; the next launch starts from step 1")
