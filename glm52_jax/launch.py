@@ -318,11 +318,15 @@ def _watchdog(spec, workdir: str | None, group):
 
     if FLAGS.mode not in ("train", "parity", "export") or not workdir:
         return None
+    s = spec.sampling
+    shapes = {"prompt_tokens": spec.data.prompt_tokens, "max_new_tokens": s.max_new_tokens,
+              "samples_per_request": s.per_request, "chunk_size": s.chunk_size, "prefill_mode": s.prefill_mode,
+              "gradient_mode": spec.train.gradient_mode}  # a plan of other shapes times other programs
     deadlines = watchdog.deadlines_for(spec.watchdog.phase_timeout_s, spec.watchdog.plan_factor, workdir,
-                                       spec.mesh_spec().describe())
+                                       spec.mesh_spec().describe(), shapes)
     if deadlines is None:
         return None
-    if deadlines.per_phase:
+    if (Path(workdir) / "plan.json").is_file() and spec.watchdog.plan_factor > 0:
         _log(watchdog.describe(deadlines))
     process, count = (group.process_id, group.num_processes) if group is not None else (0, 1)
     dog = watchdog.Watchdog(workdir, process, count, deadlines)

@@ -2,10 +2,10 @@
 
 The peer watch (peer_watch.py) notices a process that died. A run can also hang with every process alive: two
 processes that issue collectives in a different order wait for each other forever (NCCL on GPUs, gloo on CPUs),
-after a prefill of several minutes, and nothing is said. Here each phase (prefill, decode, update, checkpoint save
-and restore, export, each parity mode, a barrier) is entered through `phase(...)`, which arms a deadline and records
-(phase, program, step). The launcher's main thread, which stays in Python while the work thread computes, calls
-`Watchdog.poll()` twice a second; a phase past its deadline ends the run:
+after a prefill of several minutes, and nothing is said. Here each phase (load, prefill, decode, update, checkpoint
+save and restore, export, each parity mode, a barrier or allgather) is entered through `phase(...)`, which arms a
+deadline and records (phase, program, step). The launcher's main thread, which stays in Python while the work
+thread computes, calls `Watchdog.poll()` twice a second; a phase past its deadline ends the run:
 
 - every process writes its Python stacks (`faulthandler`, all threads) and where it was to
   `WORKDIR/watchdog/stacks_<i>.txt`;
@@ -82,10 +82,15 @@ class Deadlines:
         return self.per_phase.get(phase, self.default_s)
 
 
-def plan_deadlines(plan: Mapping[str, Any], mesh: str, factor: float) -> dict[str, float] | None:
+def plan_deadlines(plan: Mapping[str, Any], mesh: str, factor: float,
+                   shapes: Mapping[str, Any] | None = None) -> dict[str, float] | None:
     """{phase: seconds} from a plan report (`planner.plan`'s, WORKDIR/plan.json) made for the mesh `mesh`
-    (`MeshSpec.describe()`), or None when it has no time estimates (a CPU target) or another mesh."""
+    (`MeshSpec.describe()`) and the run's `shapes` (plan report "shapes" keys: prompt_tokens, ...), or None when it
+    has no time estimates (a CPU target), another mesh or other shapes."""
     if factor <= 0 or plan.get("mesh", {}).get("describe") != mesh:
+        return None
+    planned_shapes = plan.get("shapes") or {}
+    if any(planned_shapes.get(k) != v for k, v in (shapes or {}).items()):
         return None
     programs = plan.get("programs") or {}
     out = {}
@@ -99,21 +104,22 @@ def plan_deadlines(plan: Mapping[str, Any], mesh: str, factor: float) -> dict[st
     return out or None
 
 
-def deadlines_for(timeout_s: float, plan_factor: float, workdir: str | os.PathLike | None,
-                  mesh: str) -> Deadlines | None:
+def deadlines_for(timeout_s: float, plan_factor: float, workdir: str | os.PathLike | None, mesh: str,
+                  shapes: Mapping[str, Any] | None = None) -> Deadlines | None:
     """The run's deadlines (None: no watchdog, `timeout_s` = 0): the config value, and for the planned phases
-    WORKDIR/plan.json's when it fits this mesh."""
+    WORKDIR/plan.json's when it fits this mesh and `shapes`. A plan.json that does not is named in `source`."""
     if timeout_s <= 0:
         return None
     path = Path(workdir) / "plan.json" if workdir else None
-    if path is None or not path.is_file():
+    if path is None or not path.is_file() or plan_factor <= 0:
         return Deadlines(timeout_s)
     try:
-        planned = plan_deadlines(json.loads(path.read_text()), mesh, plan_factor)
+        planned = plan_deadlines(json.loads(path.read_text()), mesh, plan_factor, shapes)
     except (OSError, ValueError, KeyError, TypeError):  # an unreadable or older plan: the config value
         planned = None
     if not planned:
-        return Deadlines(timeout_s)
+        return Deadlines(timeout_s, source=f"--config.watchdog.phase_timeout_s; {path} is not used: no GPU time "
+                         f"estimates, or planned for another mesh or other settings than {mesh}, {dict(shapes or {})}")
     return Deadlines(timeout_s, planned, f"{path} x {plan_factor:g}")
 
 
@@ -307,7 +313,7 @@ def phase(name: str, *, program: str | None = None, step: int | None = None) -> 
 
 
 def describe(deadlines: Deadlines) -> str:
-    """One line: the deadlines in force (printed when a plan sets some)."""
+    """One line: the deadlines in force (printed when the workdir holds a plan)."""
     planned = ", ".join(f"{k} {v:,.0f} s" for k, v in sorted(deadlines.per_phase.items()))
     if not planned:
         return f"watchdog: every phase {deadlines.default_s:g} s ({deadlines.source})"

@@ -122,6 +122,9 @@ def test_plan_deadlines_come_from_the_pessimistic_time_and_compile(tmp_path):
         "prefill": 3 * (20 * 128 + 10) + 60, "decode": 3 * 14 + 60, "update": 3 * (12 + 10.5) + 60}
     assert watchdog.plan_deadlines(plan, "DP1/TP1/CP32/EP32/PP1", 3.0) is None  # another mesh
     assert watchdog.plan_deadlines(plan, "DP1/TP1/CP8/EP8/PP1", 0.0) is None  # plan_factor 0
+    plan["shapes"] = {"prompt_tokens": 2097152, "prefill_mode": "whole"}
+    assert watchdog.plan_deadlines(plan, "DP1/TP1/CP8/EP8/PP1", 3.0, {"prompt_tokens": 2097152})["decode"] == 102
+    assert watchdog.plan_deadlines(plan, "DP1/TP1/CP8/EP8/PP1", 3.0, {"prompt_tokens": 4096}) is None  # other shapes
     cpu = {"mesh": plan["mesh"], "programs": {k: {**v, "time": None} for k, v in plan["programs"].items()}}
     assert watchdog.plan_deadlines(cpu, "DP1/TP1/CP8/EP8/PP1", 3.0) is None  # a CPU plan has no times
 
@@ -131,8 +134,13 @@ def test_plan_deadlines_come_from_the_pessimistic_time_and_compile(tmp_path):
     found = watchdog.deadlines_for(600.0, 2.0, tmp_path, "DP1/TP1/CP8/EP8/PP1")
     assert found.seconds("decode") == 2 * 14 + 60 and found.seconds("checkpoint save") == 600.0
     assert watchdog.describe(found).startswith("watchdog: phase deadlines decode 88 s, prefill 5,200 s, update 105 s")
+    other = watchdog.deadlines_for(600.0, 2.0, tmp_path, "DP1/TP1/CP8/EP8/PP1", {"prompt_tokens": 4096})
+    assert other.per_phase == {} and watchdog.describe(other) == (
+        f"watchdog: every phase 600 s (--config.watchdog.phase_timeout_s; {tmp_path / 'plan.json'} is not used: no "
+        "GPU time estimates, or planned for another mesh or other settings than DP1/TP1/CP8/EP8/PP1, "
+        "{'prompt_tokens': 4096})")
     (tmp_path / "plan.json").write_text("{not json")
-    assert watchdog.deadlines_for(600.0, 2.0, tmp_path, "DP1/TP1/CP8/EP8/PP1") == Deadlines(600.0)
+    assert watchdog.deadlines_for(600.0, 2.0, tmp_path, "DP1/TP1/CP8/EP8/PP1").seconds("prefill") == 600.0
 
 
 def test_the_stall_hook(monkeypatch):

@@ -24,8 +24,11 @@ def test_a_phase_past_its_deadline_stops_the_run(tmp_path):
     workdir = tmp_path / "run"
     workdir.mkdir()
     timed = {"time": {"pessimistic_s": 2.0}, "calls_per_transaction": 4, "seconds": {"lower": 1.0, "compile": 9.0}}
-    (workdir / "plan.json").write_text(json.dumps({"mesh": {"describe": "DP1/TP1/CP1/EP1/PP1"}, "programs": {
-        name: timed for name in ("prefill", "decode", "train", "new_logprobs")}}))
+    shapes = {"prompt_tokens": 256, "max_new_tokens": 32, "samples_per_request": 2, "chunk_size": 128,
+              "prefill_mode": "chunked", "gradient_mode": "response_only", "dtype": "float32"}  # the tiny run's
+    (workdir / "plan.json").write_text(json.dumps({"mesh": {"describe": "DP1/TP1/CP1/EP1/PP1"}, "shapes": shapes,
+                                                   "programs": {name: timed for name in ("prefill", "decode", "train",
+                                                                                         "new_logprobs")}}))
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "glm52_jax.launch", f"--workdir={workdir}",
                            "--config.watchdog.phase_timeout_s=2"], capture_output=True, text=True, timeout=120,
