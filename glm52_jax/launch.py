@@ -311,6 +311,29 @@ def _one_line(error: BaseException) -> str | None:
     return None
 
 
+def _watchdog(spec, workdir: str | None, group):
+    """The run's hang watchdog (parallel/watchdog.py), installed for the phases to find; None without a workdir or
+    with --config.watchdog.phase_timeout_s=0 (and in plan and forward modes, which have no phases)."""
+    from glm52_jax.parallel import watchdog
+
+    if FLAGS.mode not in ("train", "parity", "export") or not workdir:
+        return None
+    s = spec.sampling
+    shapes = {"prompt_tokens": spec.data.prompt_tokens, "max_new_tokens": s.max_new_tokens,
+              "samples_per_request": s.per_request, "chunk_size": s.chunk_size, "prefill_mode": s.prefill_mode,
+              "gradient_mode": spec.train.gradient_mode}  # a plan of other shapes times other programs
+    deadlines = watchdog.deadlines_for(spec.watchdog.phase_timeout_s, spec.watchdog.plan_factor, workdir,
+                                       spec.mesh_spec().describe(), shapes)
+    if deadlines is None:
+        return None
+    if (Path(workdir) / "plan.json").is_file() and spec.watchdog.plan_factor > 0:
+        _log(watchdog.describe(deadlines))
+    process, count = (group.process_id, group.num_processes) if group is not None else (0, 1)
+    dog = watchdog.Watchdog(workdir, process, count, deadlines)
+    watchdog.install(dog)
+    return dog
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt."""
 
@@ -331,7 +354,7 @@ def main(argv):
     if FLAGS.verbosity <= 0:  # Orbax logs every file rename at INFO; keep the console to our progress lines
         logging.set_verbosity(logging.WARNING)
     from glm52_jax import workdir as workdir_lib
-    from glm52_jax.parallel import distributed, peer_watch
+    from glm52_jax.parallel import distributed, peer_watch, watchdog
     from glm52_jax.run_config import ConfigError
 
     distributed.default_to_cpu_without_a_gpu()
@@ -383,6 +406,7 @@ def main(argv):
                 if group is not None and group.num_processes > 1:
                     _RANK_PREFIX[0] = f"[{group.process_id}/{group.num_processes}] "
                     outcome["watch"] = peer_watch.for_this_process(peer_timeout_s)
+                outcome["watchdog"] = _watchdog(spec, workdir, group)
             outcome["result"] = _run_mode(spec, workdir)
         except BaseException as e:  # handed to the main thread, which reports it
             outcome["error"] = e
@@ -405,12 +429,21 @@ def main(argv):
         workdir_lib.release_held()
         os._exit(1)  # the work thread may sit in a collective that never returns; JAX's exit barrier would wait
 
+    def stop_for_hang(found) -> None:
+        line = outcome["watchdog"].report(found)  # every process's stacks into WORKDIR/watchdog/
+        print(f"{_RANK_PREFIX[0]}{line}; {kept()}", file=sys.stderr, flush=True)
+        workdir_lib.release_held()
+        os._exit(watchdog.HANG_EXIT)  # as for a dead peer: the work thread is the one that hangs
+
     try:
         while worker.is_alive():
             worker.join(0.5)
             lost = outcome["watch"].poll() if outcome.get("watch") is not None else None
             if lost is not None:
                 stop_for_dead_peer(lost)
+            hung = outcome["watchdog"].poll() if outcome.get("watchdog") is not None else None
+            if hung is not None:
+                stop_for_hang(hung)
     except KeyboardInterrupt as e:
         terminated = isinstance(e, Terminated)
         print(f"\n{'terminated (SIGTERM)' if terminated else 'interrupted'}: {kept()}", file=sys.stderr, flush=True)

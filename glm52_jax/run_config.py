@@ -32,8 +32,9 @@ from glm52_jax.parity_decision import PARITY_METRICS, Bound, parse_bound  # noqa
 EMBEDDED_POLICY = Path(__file__).resolve().parent / "assets" / "tiny_policy"
 SAVED_CONFIG = "config.json"
 # Keys a rerun on an existing workdir may change: how many transactions to run, how many checkpoints to keep,
-# and settings of other modes (plan, parity) that a training run does not read. Everything else is the run itself.
-MAY_CHANGE = ("train.steps", "checkpoint.keep", "plan.", "parity.", "export.")
+# settings of other modes (plan, parity) that a training run does not read, and the hang watchdog's deadlines.
+# Everything else is the run itself.
+MAY_CHANGE = ("train.steps", "checkpoint.keep", "plan.", "parity.", "export.", "watchdog.")
 # The topology may change on a rerun too (8 devices -> 32, one node -> one CPU): checkpoints restore onto
 # the current mesh. Kept out of MAY_CHANGE because `resume_sha256` (in committed receipts) covers it; a resume
 # compares the checkpoint's hash with the current settings on the mesh it was saved with (`on_mesh`).
@@ -331,9 +332,19 @@ class ExportSpec(_Section):
     merged_fp8: bool = _rules()
 
 
+@dataclasses.dataclass(frozen=True)
+class WatchdogSpec(_Section):
+    phase_timeout_s: float = _rules(number(0.0, strict_low=False))
+    plan_factor: float = _rules(lambda v: None if v == 0 or (v >= 1 and math.isfinite(v))
+                                else "must be 0 (no plan) or >= 1 (a multiple of the plan's pessimistic time)")
+
+
 _SECTIONS = {"model": ModelSpec, "data": DataSpec, "sampling": SamplingSpec, "search": SearchSpec,
              "reward": RewardSpec, "train": TrainSpec, "checkpoint": CheckpointSpec, "parity": ParitySpec,
-             "plan": PlanSpec, "export": ExportSpec}
+             "plan": PlanSpec, "export": ExportSpec, "watchdog": WatchdogSpec}
+# Sections added after runs were saved without them: a saved config.json that lacks one gets its defaults (they
+# are all MAY_CHANGE settings, outside the resume hash, so the run stays the same run).
+_ADDED_SECTIONS = ("watchdog",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,6 +364,7 @@ class RunSpec:
     parity: ParitySpec
     plan: PlanSpec
     export: ExportSpec
+    watchdog: WatchdogSpec
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> RunSpec:
@@ -471,10 +483,20 @@ def load_saved_spec(workdir: str | os.PathLike) -> RunSpec | None:
         return None
     try:
         record = json.loads(path.read_text())
-        return RunSpec.from_dict(record["config"])
+        return RunSpec.from_dict(_with_added_sections(record["config"]))
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         # Nothing keeps a second copy (receipts record only the settings' sha256): no "restore it".
         raise ConfigError(f"{path} is not a saved run config ({type(e).__name__}: {e}) and no copy of it is kept; "
                           "use a fresh --workdir") from None
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
+
+
+def _with_added_sections(values: Any) -> Any:
+    """A saved config (a mapping) with the `_ADDED_SECTIONS` it lacks at their defaults."""
+    if not isinstance(values, Mapping) or all(k in values for k in _ADDED_SECTIONS):
+        return values
+    from glm52_jax import run_defaults
+
+    defaults = run_defaults.get_config().to_dict()
+    return {**{k: defaults[k] for k in _ADDED_SECTIONS}, **values}

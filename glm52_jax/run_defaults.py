@@ -158,6 +158,17 @@ def get_config() -> ml_collections.ConfigDict:
     # override, not part of the released model.
     c.export.keep_rope_scaling = False
     c.export.merged_fp8 = False  # FP8 base: merged/ re-quantized as the base (e4m3 + block scales), not in model.dtype
+
+    # A deadline per phase (load, prefill, decode, update, checkpoint save/restore, export, parity modes, barriers):
+    # a phase past it stops the run with one line naming it and the processes not finished, every process's Python
+    # stacks in WORKDIR/watchdog/ (parallel/watchdog.py). May change on a rerun.
+    c.watchdog = ml_collections.ConfigDict()
+    # Seconds a phase may last (each phase's first call includes its compile), > 0; 0 = no watchdog. An hour covers
+    # the tiny CPU runs many times over; a 2M run takes its deadlines from a plan (below) or sets more.
+    c.watchdog.phase_timeout_s = 3600.0
+    # With WORKDIR/plan.json of a GPU target on the run's mesh (--mode=plan --workdir=WORKDIR): the prefill, decode
+    # and update deadlines are this x (the programs' calibrated pessimistic time x calls + compile) + 60 s; 0 = no plan.
+    c.watchdog.plan_factor = 3.0
     return c
 
 

@@ -64,8 +64,8 @@ def test_rerun_with_changed_settings_lists_the_keys(tmp_path):
     assert done.returncode == 1 and seconds < 30, done.stderr
     assert done.stderr.strip().splitlines() == [
         f"config error: {workdir} was run with other settings (train.learning_rate: saved 0.0001, now 0.5). Only "
-        "train.steps, checkpoint.keep, plan.*, parity.*, export.*, mesh may change on a rerun; drop those flags to "
-        "reuse the saved config, or use a fresh --workdir"]
+        "train.steps, checkpoint.keep, plan.*, parity.*, export.*, watchdog.*, mesh may change on a rerun; drop those "
+        "flags to reuse the saved config, or use a fresh --workdir"]
     done, _ = _launch(f"--workdir={workdir}", "--config=configs/2m.py")  # another config file, given explicitly
     assert done.returncode == 1 and "model.checkpoint: saved embedded, now /ckpt/GLM-5.2" in done.stderr
     assert sorted(p.name for p in workdir.iterdir()) == before

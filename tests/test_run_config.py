@@ -160,6 +160,8 @@ def test_the_spec_and_the_launcher_start_without_jax():
     ("checkpoint.keep", 0, "--config.checkpoint.keep=0: must be >= 1 (the newest step checkpoint is what a rerun "
                            "resumes from)"),
     ("checkpoint.keep", 2.0, "--config.checkpoint.keep=2.0: must be an integer"),
+    ("watchdog.phase_timeout_s", -1, "--config.watchdog.phase_timeout_s=-1.0: must be >= 0"),
+    ("watchdog.plan_factor", 0.5, "--config.watchdog.plan_factor=0.5: must be 0 (no plan) or >= 1"),
 ])
 def test_bad_values_name_their_flag(key, value, message):
     with pytest.raises(ConfigError) as info:
@@ -181,6 +183,21 @@ def test_reward_and_checkpoint_keys():
     check_rerun(spec, keep, "/tmp/run")
     with pytest.raises(ConfigError, match=r"reward\.boxed_fallback: saved False, now True"):
         check_rerun(spec, fallback, "/tmp/run")
+
+
+def test_watchdog_keys_may_change_and_older_saved_configs_load(tmp_path):
+    """The hang watchdog's deadlines are not the run: a rerun may change them, the resume hash ignores them, and a
+    config.json saved before the section existed loads with its defaults (the same run, resumable)."""
+    spec = config_spec("tiny")
+    assert (spec.watchdog.phase_timeout_s, spec.watchdog.plan_factor) == (3600.0, 3.0)
+    shorter = spec.replace(**{"watchdog.phase_timeout_s": 5.0, "watchdog.plan_factor": 0.0})
+    assert shorter.resume_sha256() == spec.resume_sha256() != shorter.config_sha256()
+    check_rerun(spec, shorter, tmp_path)
+    path = save_spec(spec, tmp_path, ["python", "-m", "glm52_jax.launch"])
+    record = json.loads(path.read_text())
+    del record["config"]["watchdog"]
+    path.write_text(json.dumps(record))
+    assert load_saved_spec(tmp_path) == spec
 
 
 def test_unknown_and_missing_keys():

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from glm52_jax.evidence.hashing import sha256_file
+from glm52_jax.parallel import watchdog
 from glm52_jax.rl import processes
 from glm52_jax.rl.inputs import native_model_config, resolve
 from glm52_jax.rl.policy import build_policy, train_mesh
@@ -66,7 +67,8 @@ def export_run(spec: RunSpec, workdir: str | os.PathLike, *, export_dir: str | o
     holder, refusal = _staging_holder(out) if processes.is_writer() else (None, None)
     try:
         _agree(refusal)  # before any gather: a process that cannot go on stops them all
-        return _export(spec, inputs, ckpts, step, out, holder, merged, quantization)
+        with watchdog.phase("export", step=step):
+            return _export(spec, inputs, ckpts, step, out, holder, merged, quantization)
     finally:
         if holder is not None:
             shutil.rmtree(holder, ignore_errors=True)

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from glm52_jax.parallel import watchdog
 from glm52_jax.rl import parity_cases, parity_metrics, parity_references, processes, settings
 from glm52_jax.rl.inputs import resolve
 from glm52_jax.rl.policy import build_policy, mesh_line, train_mesh
@@ -159,11 +160,12 @@ def _parity(inputs, model, optimizer, writer, artifacts: Path, mesh_spec, log) -
         for mode in modes:
             params_sha = _lora_sha256(model)  # what this path starts from (the optimizer is checked once, after)
             log(f"parity {case}: {mode} gradients")
-            out = lora_gradients(model, prompt, responses, mask, old, advantages, mode=mode, loss=loss_settings,
-                                 prefix_cache=prefix if mode == "response_only" else None)
-            arrays = {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(out.grads)}
-            records = _export(arrays, artifacts / case / mode)
-            host = state_arrays(out.grads)  # gathered (several processes: a collective every process joins)
+            with watchdog.phase(f"parity {mode}", program=f"{case} gradients"):
+                out = lora_gradients(model, prompt, responses, mask, old, advantages, mode=mode, loss=loss_settings,
+                                     prefix_cache=prefix if mode == "response_only" else None)
+                arrays = {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(out.grads)}
+                records = _export(arrays, artifacts / case / mode)
+                host = state_arrays(out.grads)  # gathered (several processes: a collective every process joins)
             runs[mode] = {"grads": host, "loss": float(to_host(out.loss)), "records": records,
                           "logprobs": np.asarray(to_host(out.logprobs)), "params_sha256": params_sha,
                           "metrics": {k: float(v) for k, v in to_host(dict(out.metrics)).items()}}

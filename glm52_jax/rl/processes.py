@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from glm52_jax.parallel import watchdog
 from glm52_jax.run_config import ConfigError, RunSpec
 
 
@@ -49,14 +50,16 @@ def barrier(name: str) -> None:
     if count() > 1:
         from jax.experimental import multihost_utils
 
-        multihost_utils.sync_global_devices(name)
+        with watchdog.phase("barrier", program=f"sync_global_devices({name!r})"):
+            multihost_utils.sync_global_devices(name)
 
 
 def _gathered(values: np.ndarray) -> np.ndarray:
     """`values` of every process stacked: [P, ...] (the same on every process)."""
     from jax.experimental import multihost_utils
 
-    return np.asarray(multihost_utils.process_allgather(values))
+    with watchdog.phase("allgather", program="process_allgather"):
+        return np.asarray(multihost_utils.process_allgather(values))
 
 
 def differing(digest_hex: str) -> list[tuple[int, str]]:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from glm52_jax.parallel import watchdog
 from glm52_jax.rl import processes, settings
 from glm52_jax.rl.inputs import RunInputs, resolve
 from glm52_jax.rl.progress import Console
@@ -246,7 +247,8 @@ def _run(inputs: RunInputs, workdir: Path, mesh_spec, mesh, log) -> dict[str, An
         if mesh is not None:
             stack.enter_context(axis_rules(mesh_spec.rules()))
         # Built before the mesh is set: nnx would read the params' logical names as mesh axes.
-        model, optimizer = build_policy(spec, inputs, mesh, init_adapter=not latest)  # a resume restores
+        with watchdog.phase("load"):
+            model, optimizer = build_policy(spec, inputs, mesh, init_adapter=not latest)  # a resume restores
         if mesh is not None:  # every program below is traced and run on the mesh
             stack.enter_context(jax.set_mesh(mesh))
             console.line(mesh_line(mesh_spec))
@@ -270,7 +272,8 @@ def _run_steps(inputs: RunInputs, workdir: Path, ckpts, latest: int, expect: dic
     spec = inputs.spec
     log = console.line
     if latest:
-        state = ckpts.restore(latest, model, optimizer)
+        with watchdog.phase("checkpoint restore", step=latest):
+            state = ckpts.restore(latest, model, optimizer)
         event("resumed", step=latest, cursor=state.cursor)
         log(f"resumed from checkpoint step {latest} in {ckpts.directory}")
     else:
@@ -291,7 +294,8 @@ def _run_steps(inputs: RunInputs, workdir: Path, ckpts, latest: int, expect: dic
         state = RunState(step=step, rng=rng, cursor=state.cursor + result["candidates"],
                          optimizer_steps=optimizer.step, meta={**expect, "receipt": result["receipt"]})
         saving = time.perf_counter()
-        ckpts.save(model, optimizer, state)
+        with watchdog.phase("checkpoint save", step=step):
+            ckpts.save(model, optimizer, state)
         event("committed", step=step, checkpoint=str(ckpts.directory / str(step)))
         now = time.perf_counter()
         result["scalars"].update(checkpoint_seconds=round(now - saving, 3), step_seconds=round(now - start, 3))

@@ -24,6 +24,7 @@ import numpy as np
 from glm52_jax.evidence.atomic import atomic_write_bytes
 from glm52_jax.evidence.hashing import sha256_bytes, state_bytes
 from glm52_jax.evidence.receipt import ARTIFACTS_DIR
+from glm52_jax.parallel import watchdog
 from glm52_jax.rl import decode_audit, processes, step_metrics
 from glm52_jax.rl.inputs import RunInputs
 from glm52_jax.rl.rewards.dapo import reward_rule
@@ -190,6 +191,7 @@ def run_transaction(inputs: RunInputs, *, step: int, step_key, cursor: int, mode
     from glm52_jax.evidence import RECEIPT_NAME, EvidenceWriter
 
     spec = inputs.spec
+    watchdog.set_step(step)  # the phases below (prefill, decode, update, barriers) name it
     # Refuses an existing receipt before any compute; the other processes write into it only after a barrier.
     writer = EvidenceWriter(evidence_dir) if processes.is_writer() else None
     processes.barrier(f"step {step}: evidence directory ready")
@@ -224,7 +226,8 @@ def run_transaction(inputs: RunInputs, *, step: int, step_key, cursor: int, mode
         mode = spec.train.gradient_mode
         event("update_start", traces, step=step, mode=mode)
         start = time.perf_counter()
-        training, numerics, arrays, update_scalars = update(inputs, model, optimizer, sampler, accepted)
+        with watchdog.phase("update", program="grpo_step"):
+            training, numerics, arrays, update_scalars = update(inputs, model, optimizer, sampler, accepted)
         scalars.update(update_scalars, update_seconds=round(time.perf_counter() - start, 3))
         res = accepted.result
         arrays.update({"prompt_token_ids.npy": np.asarray(accepted.prompt, np.int32),

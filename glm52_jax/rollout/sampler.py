@@ -38,6 +38,7 @@ from glm52_jax import choices
 from glm52_jax.model.kv_cache import KVCache, slot_capacity, slot_ways
 from glm52_jax.model.shared_cache import SuffixCache
 from glm52_jax.model.transformer import GlmMoeDsa
+from glm52_jax.parallel import watchdog
 from glm52_jax.rollout.cache import PrefixCache, fit_capacity
 
 log = logging.getLogger(__name__)
@@ -247,8 +248,9 @@ class Sampler:
         t0 = time.perf_counter()
         cache, h_last, hit = self.prefill(prompt, capacity)
         t1 = time.perf_counter()
-        tokens, logps, _ = self.decode(cache, h_last, params, forced_tokens)
-        tokens, logps = np.asarray(tokens), np.asarray(logps)
+        with watchdog.phase("decode", program="decode"):
+            tokens, logps, _ = self.decode(cache, h_last, params, forced_tokens)
+            tokens, logps = np.asarray(tokens), np.asarray(logps)
         t2 = time.perf_counter()
         lengths = (tokens != PAD_TOKEN).sum(-1)
         reasons = [FINISH_STOP if lengths[i] > 0 and tokens[i, lengths[i] - 1] in params.stop_token_ids
@@ -271,8 +273,16 @@ class Sampler:
     def prefill(self, prompt: Sequence[int], capacity: int) -> tuple[KVCache, jax.Array, int]:
         """Batch-1 cache of `prompt` plus the last token's hidden state [1,D]; reuses cached prefixes.
 
-        Returns (cache, h_last, prompt tokens reused from the prefix cache).
+        Returns (cache, h_last, prompt tokens reused from the prefix cache). Runs as the watchdog's phase
+        "prefill" and waits for the last chunk, so that a prefill that hangs is named as one (not the decode
+        that would otherwise wait for it).
         """
+        with watchdog.phase("prefill", program=f"prefill_{self.prefill_mode}"):
+            cache, h_last, hit_len = self._prefill(prompt, capacity)
+            jax.block_until_ready(h_last)
+        return cache, h_last, hit_len
+
+    def _prefill(self, prompt: Sequence[int], capacity: int) -> tuple[KVCache, jax.Array, int]:
         prompt = list(prompt)
         stored = self.prefix_cache.whole(prompt)
         if stored is not None:  # this very prompt was prefilled: no compute
