@@ -11,9 +11,9 @@ the base is ~1.49 TB, which 8 x 141 GiB cannot hold; as the FP8 release stores i
 on the projection matrices, `model.base_weights="fp8"`: an FP8 checkpoint loads as stored, a BF16 one is quantized
 as it is read) it is 746 GB, 93.3 GB per device. The plan compiles every program for the H200 with XLA's GPU
 compiler (topology 1x1x8) and judges it against the H200's measured 150.75e9 B x 0.90 (the memory fraction the
-launcher sets): with the FP8 cache and 16K prefill chunks every program fits (largest: a chunk, 127.6 of 135.7 GB;
-modeled first candidate central 1,861 s, 1,591-2,603 s; benchmarks/RESULTS.md); the whole-prompt prefill (the mode
-set below) fits too, 134.2 GB, modeled 394 s central for the prefill.
+launcher sets): with the FP8 cache and the whole-prompt prefill every program fits (largest: the prefill, 134.2 of
+135.7 GB) and the first candidate (prefill + the 8 samples' decode) is modeled at central 367 s, 326-657 s
+(benchmarks/RESULTS.md; benchmarks/results/plan_2m_one_node_h200.json).
 Keys not set here keep configs/2m.py's values.
 """
 
@@ -35,7 +35,8 @@ def get_config():
     # prefix cache's 16 GiB per device (configs/2m.py) keeps it: the next candidate recomputes only its tail.
     c.model.cache_dtype = "float8_e4m3fn"
     # Whole-prompt prefill (configs/2m.py's), the lower estimate: one context-parallel forward whose attention, MLPs
-    # and MoE run in 16,384-token blocks per device (context_parallel.WHOLE_QUERY_BLOCK) fits (134.2 of 135.7 GB
-    # planned at 426c096) and is modeled at 394 s central (353-686 s) against 128 x 14.5 s = 1,856 s for 16K chunks
-    # (127.6 GB; benchmarks/results/plan_2m_one_node_h200.json). Not yet re-planned with every program in this mode.
+    # and MoE run in 16,384-token blocks per device (context_parallel.WHOLE_QUERY_BLOCK) fits (134.2 of 135.7 GB)
+    # and is modeled at 363 s central (322-652 s) against 128 x 14.5 s = 1,856 s for 16K chunks (127.6 GB, planned at
+    # 38859220a9: benchmarks/results/plan_2m_one_node_h200_chunked.json). Every program planned in this mode at
+    # 35759078aa: benchmarks/results/plan_2m_one_node_h200.json.
     return c

@@ -10,8 +10,10 @@ optimizer step) on the one-node run's mesh and base weights.
 The BF16 base (~1.49 TB) does not fit 8 x 141 GiB, so the base weights are FP8 as configs/2m_one_node.py's
 (every mode computes with the same weights: parity compares the modes, not the base's precision). The cache
 stays in the parameter dtype (32K tokens: small), so response_only reads the rows conventional computes with,
-as on the 32-device mesh, and the acceptance bounds of configs/32k_parity.py stand. Keys not set here keep
-configs/32k_parity.py's values.
+as on the 32-device mesh, and the acceptance bounds of configs/32k_parity.py stand. Planned deviceless for 1x1x8
+H200 (benchmarks/RESULTS.md, reports benchmarks/results/plan_32k_one_node_h200*.json): every program fits the 135.7 GB
+budget, the largest the conventional gradient step (123.5 GB); one parity modeled at central 152 s (129-265 s).
+Keys not set here keep configs/32k_parity.py's values.
 """
 
 from pathlib import Path
