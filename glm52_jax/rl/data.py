@@ -23,8 +23,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DAPO_PROMPT_PREFIX", "DAPO_PROMPT_SUFFIX", "DAPO_PROMPT_TEMPLATE", "DapoFormatError", "DapoRow",
-           "default_problems_path", "dapo_record", "load_rows", "parse_row"]
+__all__ = ["DAPO_PROMPT_PREFIX", "DAPO_PROMPT_SUFFIX", "DAPO_PROMPT_TEMPLATE", "EMBEDDED_PROBLEMS", "DapoFormatError",
+           "DapoRow", "default_problems_path", "dapo_record", "dedupe_rows", "load_rows", "parse_row", "source_record"]
 
 DAPO_PROMPT_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of "
                       "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
@@ -79,8 +79,23 @@ class DapoRow:
         return tuple((m["role"], m["content"]) for m in self.prompt)
 
 
+# How a receipt names the shipped problems (the package-relative path; where the package lives differs per install).
+EMBEDDED_PROBLEMS = "glm52_jax/assets/math_problems.jsonl"
+
+
 def default_problems_path() -> Path:
     return Path(os.fspath(resources.files("glm52_jax").joinpath("assets", "math_problems.jsonl")))
+
+
+def source_record(path: str | os.PathLike | None, *, dedupe: bool) -> dict[str, Any]:
+    """What a receipt binds of the data file a run reads (the "prompt.data" section, less its rows): the path as
+    given (`EMBEDDED_PROBLEMS` for the shipped set), whether it is the shipped set, the sha256 of its bytes, and
+    `dedupe` (with the data cursor it says which row each candidate reads). `verify --data FILE` re-reads it."""
+    from glm52_jax.evidence.hashing import sha256_file
+
+    embedded = not path
+    return {"path": EMBEDDED_PROBLEMS if embedded else os.fspath(path), "embedded": embedded,
+            "sha256": sha256_file(default_problems_path() if embedded else path), "dedupe": dedupe}
 
 
 def dapo_record(problem: str, ground_truth: str | int, index: int | str, *, style: str = "rule-lm",
@@ -185,6 +200,18 @@ def _read_parquet(path: Path) -> Iterable[tuple[Any, str]]:
             yield raw, ""
 
 
+def dedupe_rows(rows: Iterable[DapoRow]) -> list[DapoRow]:
+    """`rows` without those whose prompt messages equal an earlier row's (the first occurrence kept)."""
+    seen: set = set()
+    unique = []
+    for row in rows:
+        key = row.dedupe_key()
+        if key not in seen:
+            seen.add(key)
+            unique.append(row)
+    return unique
+
+
 def load_rows(path: str | os.PathLike | None = None, *, dedupe: bool = False,
               select: int | Sequence[int] | None = None) -> list[DapoRow]:
     """Load and validate DAPO rows.
@@ -208,14 +235,7 @@ def load_rows(path: str | os.PathLike | None = None, *, dedupe: bool = False,
         raise ValueError(f"unsupported DAPO data file {path}: expected .jsonl or .parquet")
     rows = [parse_row(raw, i, where=where) for i, (raw, where) in enumerate(raw_rows)]
     if dedupe:
-        seen: set = set()
-        unique = []
-        for row in rows:
-            key = row.dedupe_key()
-            if key not in seen:
-                seen.add(key)
-                unique.append(row)
-        rows = unique
+        rows = dedupe_rows(rows)
     if select is None:
         return rows
     single = isinstance(select, int) and not isinstance(select, bool)
