@@ -11,7 +11,7 @@ original answer. This module names every disagreement:
 - the "rewards" section and `rewards.json`'s texts = `samples.jsonl` (`rewards_check.cross_checks`);
 - each sampler record: its length, finish reason and row = `rewards.json`'s, its token count = its length, and
   its text = its tokens detokenised (special tokens skipped, as the run decoded them) with the tokenizer the
-  receipt's "prompt.tokenizer" names (its path, else the package's shipped tokenizer, whichever has the
+  receipt's "prompt.tokenizer" names (the package's shipped tokenizer, else the recorded path, whichever has the
   recorded sha256; neither on this machine: not detokenised, `detokenizer` says why);
 - the "probe" section's texts and tokens = the probe's sampler records;
 - `completion_tokens.npy` = the accepted group's sampler tokens.
@@ -81,7 +81,7 @@ def detokenizer(receipt: Mapping[str, Any]) -> tuple[Any, str]:
     record = prompt.get("tokenizer") if isinstance(prompt, Mapping) else None
     if not isinstance(record, Mapping) or not isinstance(record.get("sha256"), str):
         return None, "the receipt names no tokenizer (prompt.tokenizer)"
-    for path in (record.get("path"), str(default_tokenizer_path())):
+    for path in (str(default_tokenizer_path()), record.get("path")):  # the shipped one first: the same on every clone
         if isinstance(path, str) and Path(path).is_file() and _file_sha256(path) == record["sha256"]:
             return _load_tokenizer(path), path
     return None, f"tokenizer {record.get('path')} (sha256 {record['sha256']}) is not on this machine"

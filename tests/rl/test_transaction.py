@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 
 from glm52_jax.evidence import deterministic_view, verify
+from glm52_jax.evidence.hashing import sha256_file
 from glm52_jax.evidence.publish import result_differences
+from glm52_jax.rl.data import default_problems_path
 from glm52_jax.rl.inputs import resolve
 from glm52_jax.rl.progress import Console
 from glm52_jax.rl.run import decode_progress, end_summary, prefill_progress, run_online
@@ -105,6 +107,16 @@ def test_transactions_update_and_receipts_verify(runs):
         receipt = json.loads(receipt_path.read_text())
         assert receipt["transaction"]["step"] == step
         assert receipt["prompt"]["chat_template"] == ChatTemplate().describe()  # the embedded policy ships none
+        # The rows it scored, bound to the shipped data file's bytes (what `verify --data` re-reads).
+        shipped = [json.loads(line) for line in default_problems_path().read_text().splitlines()]
+        cursor, tried = receipt["transaction"]["data_cursor"], receipt["candidate_search"]["tried"]
+        assert receipt["prompt"]["data"] == {
+            "path": "glm52_jax/assets/math_problems.jsonl", "embedded": True, "dedupe": False,
+            "sha256": sha256_file(default_problems_path()),
+            "rows": [{"candidate": i, "row": cursor + i, "extra_info_index": shipped[cursor + i]["extra_info"]["index"]}
+                     for i in range(tried)]}
+        assert receipt["prompt"]["tokenizer"] == {"path": str(default_tokenizer_path()),
+                                                  "sha256": sha256_file(default_tokenizer_path())}
         training = receipt["training"]
         assert training["optimizer_steps"] == 1 and training["optimizer_steps_total"] == step
         assert training["lora_sha256_before"] != training["lora_sha256_after"]  # the step changed the adapters
