@@ -1,6 +1,6 @@
 """A receipt's scored rows against the data file they came from: `verify --data FILE RECEIPT`.
 
-An online receipt binds its data file in "prompt.data" (`rl.data.source_record`: the path as given, whether it is
+An online receipt binds its data file in "prompt.data" (`rl.inputs.source_record`: the path as given, whether it is
 the shipped set, the sha256 of its bytes, `dedupe`) and lists, per candidate tried, the row it scored (its 0-based
 record position in the file, "row", and the row's own `extra_info.index`). Without the file a forger can change a
 candidate's ground truth and its rewards together and re-seal every hash; with it `verify --data` checks that FILE
@@ -8,7 +8,7 @@ is the file the run read (sha256), that the data cursor selects each candidate's
 truth is that row's (`rewards.json`), so the rewards are re-scored against FILE's ground truth
 (`--recompute-rewards`), not the receipt's.
 
-Rows are read with the run's own parser (`rl.data`: the standard library; a Parquet file needs pyarrow), so the
+Rows are read with the run's own parser (`dapo_data`: the standard library; a Parquet file needs pyarrow), so the
 evidence package still starts without JAX or numpy.
 """
 
@@ -31,13 +31,13 @@ class DataFile:
 
     path: str
     sha256: str
-    rows: tuple  # rl.data.DapoRow, index = position
+    rows: tuple  # dapo_data.DapoRow, index = position
 
 
 def read_data_file(path: str | os.PathLike) -> DataFile:
     """Hash and parse `path`; EvidenceError with one line naming the file when it is missing or not DAPO rows."""
+    from glm52_jax.dapo_data import load_rows
     from glm52_jax.evidence.hashing import sha256_file
-    from glm52_jax.rl.data import load_rows
 
     where = f"--data {os.fspath(path)}"
     if not Path(path).is_file():
@@ -65,7 +65,7 @@ def _binding(receipt: Mapping[str, Any]) -> dict | str:
 
 def _selected(data: DataFile, dedupe: Any, cursor: Any, candidate: Any) -> int | None:
     """The file position of the row the run's data cursor gives candidate `candidate` (None: not recorded)."""
-    from glm52_jax.rl.data import dedupe_rows
+    from glm52_jax.dapo_data import dedupe_rows
 
     if not isinstance(cursor, int) or not isinstance(candidate, int) or not data.rows:
         return None
@@ -118,7 +118,8 @@ def data_failures(receipt: Mapping[str, Any], candidates: Any, rewards_path: str
 def check_data(receipt_path: str | os.PathLike, data: DataFile) -> tuple[list[str], dict[int, str] | None]:
     """`data_failures` over every rewards artifact of the receipt at `receipt_path` (hashes are `verify`'s)."""
     from glm52_jax.evidence.receipt import load_receipt, receipt_file
-    from glm52_jax.evidence.rewards_check import REWARDS_KIND, artifacts_of_kind, read_artifact_json
+    from glm52_jax.evidence.rewards_check import artifacts_of_kind, read_artifact_json
+    from glm52_jax.evidence.text_refs import REWARDS_KIND
 
     path = receipt_file(receipt_path)
     try:

@@ -23,9 +23,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from glm52_jax.evidence.receipt import EvidenceError, load_receipt, receipt_file
+from glm52_jax.evidence.text_refs import REWARDS_KIND, SAMPLES_KIND, cross_checks
 
-REWARDS_KIND = "rewards"
-SAMPLES_KIND = "samples"
 RULE_SECTION = "reward_rule"
 _CANDIDATE_KEYS = ("candidate", "texts", "ground_truth", "rewards", "preds")
 
@@ -92,23 +91,6 @@ def recompute_candidates(path: str, candidates: Any, *, boxed_fallback: bool = F
             if cd["preds"][j] != score["pred"]:
                 failures.append(f"{where}: stored pred {cd['preds'][j]!r}, recomputed {score['pred']!r}")
     return failures, count
-
-
-def cross_checks(receipt: Mapping[str, Any], path: str, candidates: list, texts_by_candidate: dict | None) -> list[str]:
-    """The receipt's "rewards" section and the raw sampler texts against one rewards artifact."""
-    failures = []
-    section = receipt.get("rewards")
-    if section is not None and section != [cd.get("rewards") for cd in candidates if isinstance(cd, dict)]:
-        failures.append(f"receipt section 'rewards' {section!r} differs from the rewards in {path}")
-    if texts_by_candidate is not None:
-        for cd in candidates:
-            if not isinstance(cd, dict):
-                continue
-            raw = texts_by_candidate.get(cd.get("candidate"))
-            if raw != cd.get("texts"):
-                failures.append(f"{path}: candidate {cd.get('candidate')}: texts differ from samples.jsonl "
-                                f"({cd.get('texts')!r} vs {raw!r})")
-    return failures
 
 
 def read_sample_texts(run_dir: Path, paths: Sequence[str]) -> tuple[dict | None, list[str]]:

@@ -8,7 +8,7 @@ forger who edits a text and its reward in one place and re-seals every hash leav
 original answer. This module names every disagreement:
 
 - "completions" = `rewards.json` (texts, lengths, finish reasons), candidate by candidate;
-- the "rewards" section and `rewards.json`'s texts = `samples.jsonl` (`rewards_check.cross_checks`);
+- the "rewards" section and `rewards.json`'s texts = `samples.jsonl` (`cross_checks`);
 - each sampler record: its length, finish reason and row = `rewards.json`'s, its token count = its length, and
   its text = its tokens detokenised (special tokens skipped, as the run decoded them) with the tokenizer the
   receipt's "prompt.tokenizer" names (the package's shipped tokenizer, else the recorded path, whichever has the
@@ -26,11 +26,15 @@ from __future__ import annotations
 import ast
 import functools
 import json
+import os
 import struct
 from collections.abc import Collection, Mapping
+from importlib import resources
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+REWARDS_KIND = "rewards"  # manifest kinds: a rewards artifact (rewards.json, a parity run's candidates.json) ...
+SAMPLES_KIND = "samples"  # ... and the raw sampler records (samples.jsonl)
 COMPLETION_TOKENS = "completion_tokens.npy"
 _NPY_INTS = {"<i4": "i", "<i8": "q", "<u4": "I", "<u8": "Q", "<i2": "h", "<u2": "H"}
 
@@ -75,13 +79,13 @@ def _load_tokenizer(path: str):
 def detokenizer(receipt: Mapping[str, Any]) -> tuple[Any, str]:
     """(a `tokenizers.Tokenizer` with the sha256 the receipt's "prompt.tokenizer" records, or None; its path, or
     why there is none)."""
-    from glm52_jax.rollout.tokenizer import default_tokenizer_path
-
+    # The shipped tokenizer (`rollout.tokenizer.default_tokenizer_path`, not imported: rollout imports evidence).
+    shipped = os.fspath(resources.files("glm52_jax").joinpath("assets", "tokenizer.json"))
     prompt = receipt.get("prompt")
     record = prompt.get("tokenizer") if isinstance(prompt, Mapping) else None
     if not isinstance(record, Mapping) or not isinstance(record.get("sha256"), str):
         return None, "the receipt names no tokenizer (prompt.tokenizer)"
-    for path in (str(default_tokenizer_path()), record.get("path")):  # the shipped one first: the same on every clone
+    for path in (shipped, record.get("path")):  # the shipped one first: the same on every clone
         if isinstance(path, str) and Path(path).is_file() and _file_sha256(path) == record["sha256"]:
             return _load_tokenizer(path), path
     return None, f"tokenizer {record.get('path')} (sha256 {record['sha256']}) is not on this machine"
@@ -100,6 +104,23 @@ def _paths(receipt: Mapping[str, Any], kind: str | None = None, name: str | None
     return [e["path"] for e in manifest if isinstance(e, Mapping) and isinstance(e.get("path"), str)
             and (kind is None or e.get("kind") == kind) and (name is None or e["path"].rpartition("/")[2] == name)] \
         if isinstance(manifest, list) else []
+
+
+def cross_checks(receipt: Mapping[str, Any], path: str, candidates: list, texts_by_candidate: dict | None) -> list[str]:
+    """The receipt's "rewards" section and the raw sampler texts against one rewards artifact."""
+    failures = []
+    section = receipt.get("rewards")
+    if section is not None and section != [cd.get("rewards") for cd in candidates if isinstance(cd, dict)]:
+        failures.append(f"receipt section 'rewards' {section!r} differs from the rewards in {path}")
+    if texts_by_candidate is not None:
+        for cd in candidates:
+            if not isinstance(cd, dict):
+                continue
+            raw = texts_by_candidate.get(cd.get("candidate"))
+            if raw != cd.get("texts"):
+                failures.append(f"{path}: candidate {cd.get('candidate')}: texts differ from samples.jsonl "
+                                f"({cd.get('texts')!r} vs {raw!r})")
+    return failures
 
 
 def _completions(receipt: Mapping[str, Any], path: str, candidates: list) -> list[str]:
@@ -195,8 +216,6 @@ def _completion_tokens(receipt: Mapping[str, Any], run_dir: Path, path: str, rec
 def text_failures(run_dir: Path, receipt: Mapping[str, Any], readable: Collection[str]) -> list[str]:
     """One line per disagreement between the places a receipt states its samples (the module doc); `readable`:
     the manifest paths whose files verified (only those are read)."""
-    from glm52_jax.evidence.rewards_check import REWARDS_KIND, SAMPLES_KIND, cross_checks
-
     failures: list[str] = []
     sample_paths = _paths(receipt, SAMPLES_KIND)
     records = None

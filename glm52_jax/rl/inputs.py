@@ -148,6 +148,19 @@ def tokenizer_for(model: ModelSpec):
         raise ConfigError(f"--config.model.tokenizer={model.tokenizer}: {e}") from None
 
 
+def source_record(path: str | os.PathLike | None, *, dedupe: bool) -> dict[str, Any]:
+    """What a receipt binds of the data file a run reads (its "prompt.data" section, less the rows): the path as
+    given (`dapo_data.EMBEDDED_PROBLEMS` for the shipped set), whether it is the shipped set, the sha256 of its
+    bytes, and `dedupe` (with the data cursor it says which row each candidate reads). `verify --data FILE`
+    re-reads it (evidence/data_check.py)."""
+    from glm52_jax.dapo_data import EMBEDDED_PROBLEMS, default_problems_path
+    from glm52_jax.evidence.hashing import sha256_file
+
+    embedded = not path
+    return {"path": EMBEDDED_PROBLEMS if embedded else os.fspath(path), "embedded": embedded,
+            "sha256": sha256_file(default_problems_path() if embedded else path), "dedupe": dedupe}
+
+
 def exact_prompt(tokenizer, row, n_tokens: int, *, flag: str | None = None) -> list[int]:
     """`build_exact_prompt` with its errors as ConfigErrors: a template's names its file, a row's the N
     (`flag`, default `--config.data.prompt_tokens=N`)."""
@@ -196,7 +209,7 @@ class RunInputs:
     rows: list  # every DapoRow; transaction k reads on from its data cursor
     first_prompts: list[list[int]]  # exact-N ids of the first transaction's candidates (checked)
     init_adapter: dict[str, str] | None = None  # `model.init_adapter`'s path and weights sha256 (checked)
-    data: dict[str, Any] | None = None  # the data file the rows came from (`rl.data.source_record`)
+    data: dict[str, Any] | None = None  # the data file the rows came from (`source_record`)
 
     @property
     def chat_template(self) -> dict[str, str] | None:
@@ -243,7 +256,7 @@ def check_weights(model: ModelSpec) -> None:
 
 def resolve(spec: RunSpec, *, data: bool = True) -> RunInputs:
     """Checks the files a run needs and resolves them (no model is built). `data=False`: model only."""
-    from glm52_jax.rl.data import load_rows, source_record
+    from glm52_jax.dapo_data import load_rows
 
     model_cfg, scaling, scaling_source, _ = model_config(spec.model)
     check_capacity(model_cfg, spec, scaling_source)

@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from glm52_jax.dapo_data import default_problems_path
 from glm52_jax.evidence import deterministic_view, verify
 from glm52_jax.evidence.hashing import sha256_file
 from glm52_jax.evidence.publish import result_differences
-from glm52_jax.rl.data import default_problems_path
 from glm52_jax.rl.inputs import resolve
 from glm52_jax.rl.progress import Console
 from glm52_jax.rl.run import decode_progress, end_summary, prefill_progress, run_online

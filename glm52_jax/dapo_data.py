@@ -11,6 +11,9 @@ Schema (HF `BytedTsinghua-SIA/DAPO-Math-17k`, one row per problem)::
 `load_rows()` reads JSONL (one object per line) or Parquet (needs `pyarrow`); with no path it
 reads the shipped `glm52_jax/assets/math_problems.jsonl` (75 hand-written integer-answer problems,
 each with an `extra_info.check` arithmetic expression that the tests evaluate).
+
+A top-level module importing only the standard library: the run (`rl.inputs`) and the evidence verifier
+(`verify --data`, `evidence.data_check`) read rows with the same parser, and the verifier starts without JAX.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["DAPO_PROMPT_PREFIX", "DAPO_PROMPT_SUFFIX", "DAPO_PROMPT_TEMPLATE", "EMBEDDED_PROBLEMS", "DapoFormatError",
-           "DapoRow", "default_problems_path", "dapo_record", "dedupe_rows", "load_rows", "parse_row", "source_record"]
+           "DapoRow", "default_problems_path", "dapo_record", "dedupe_rows", "load_rows", "parse_row"]
 
 DAPO_PROMPT_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of "
                       "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
@@ -85,17 +88,6 @@ EMBEDDED_PROBLEMS = "glm52_jax/assets/math_problems.jsonl"
 
 def default_problems_path() -> Path:
     return Path(os.fspath(resources.files("glm52_jax").joinpath("assets", "math_problems.jsonl")))
-
-
-def source_record(path: str | os.PathLike | None, *, dedupe: bool) -> dict[str, Any]:
-    """What a receipt binds of the data file a run reads (the "prompt.data" section, less its rows): the path as
-    given (`EMBEDDED_PROBLEMS` for the shipped set), whether it is the shipped set, the sha256 of its bytes, and
-    `dedupe` (with the data cursor it says which row each candidate reads). `verify --data FILE` re-reads it."""
-    from glm52_jax.evidence.hashing import sha256_file
-
-    embedded = not path
-    return {"path": EMBEDDED_PROBLEMS if embedded else os.fspath(path), "embedded": embedded,
-            "sha256": sha256_file(default_problems_path() if embedded else path), "dedupe": dedupe}
 
 
 def dapo_record(problem: str, ground_truth: str | int, index: int | str, *, style: str = "rule-lm",
