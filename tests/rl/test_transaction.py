@@ -318,9 +318,12 @@ def test_console_names_the_run_and_ends_with_how_to_verify_it(runs):
 def test_cli_receipt_verifies_with_the_evidence_cli(runs):
     """The README's `verify WORKDIR`: every committed step's receipt, the killed step's set-aside evidence named."""
     lines = runs["verify"].stdout.splitlines()
-    assert [line.partition(": ")[0] for line in lines[:3]] == [f"evidence/step_{k:06d}/receipt.json" for k in (1, 2, 3)]
-    assert all(line.partition(": ")[2].startswith("OK ") for line in lines[:3]), lines
-    assert lines[3:] == ["evidence/step_000002.uncommitted-1: not verified (not a committed step)",
+    # Per receipt: its hashes, then its sampled texts against their tokens (the shipped tokenizer, found by sha256).
+    assert [line.partition(": ")[0] for line in lines[:6]] == [f"evidence/step_{k:06d}/receipt.json"
+                                                               for k in (1, 2, 3) for _ in range(2)], lines
+    assert all(line.partition(": ")[2].startswith("OK ") for line in lines[:6]), lines
+    assert lines[1].endswith(f": OK sampled texts equal their tokens detokenised with {default_tokenizer_path()}")
+    assert lines[6:] == ["evidence/step_000002.uncommitted-1: not verified (not a committed step)",
                          "OK: 3 of 3 receipts verified"], lines
 
 
