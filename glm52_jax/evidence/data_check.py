@@ -1,12 +1,12 @@
 """A receipt's scored rows against the data file they came from: `verify --data FILE RECEIPT`.
 
-An online receipt binds its data file in "prompt.data" (`rl.inputs.source_record`: the path as given, whether it is
-the shipped set, the sha256 of its bytes, `dedupe`) and lists, per candidate tried, the row it scored (its 0-based
-record position in the file, "row", and the row's own `extra_info.index`). Without the file a forger can change a
-candidate's ground truth and its rewards together and re-seal every hash; with it `verify --data` checks that FILE
-is the file the run read (sha256), that the data cursor selects each candidate's row, and that every stored ground
-truth is that row's (`rewards.json`), so the rewards are re-scored against FILE's ground truth
-(`--recompute-rewards`), not the receipt's.
+An online receipt binds its data file in "prompt.data" (a parity receipt in "fixture.data", with the data cursor its
+search started from): the path as given, whether it is the shipped set, the sha256 of its bytes, `dedupe`
+(`rl.inputs.source_record`), and per candidate tried the row it scored (its 0-based record position in the file,
+"row", and the row's own `extra_info.index`). Without the file a forger can change a candidate's ground truth and its
+rewards together and re-seal every hash; with it `verify --data` checks that FILE is the file the run read (sha256),
+that the data cursor selects each candidate's row, and that every stored ground truth is that row's (the rewards
+artifact), so the rewards are re-scored against FILE's ground truth (`--recompute-rewards`), not the receipt's.
 
 Rows are read with the run's own parser (`dapo_data`: the standard library; a Parquet file needs pyarrow), so the
 evidence package still starts without JAX or numpy.
@@ -22,7 +22,8 @@ from typing import Any
 
 from glm52_jax.evidence.receipt import EvidenceError
 
-DATA_KEY = "data"  # under the receipt's "prompt" section
+DATA_KEY = "data"  # under one of these sections (the first the receipt has)
+BOUND_IN = ("prompt", "fixture")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,15 +53,18 @@ def read_data_file(path: str | os.PathLike) -> DataFile:
 
 
 def _binding(receipt: Mapping[str, Any]) -> dict | str:
-    """The receipt's "prompt.data" section, or why it has no usable one."""
-    prompt = receipt.get("prompt")
-    data = prompt.get(DATA_KEY) if isinstance(prompt, Mapping) else None
-    if data is None:
-        return "the receipt binds no data file (no 'prompt.data' section: not an online step receipt, or one " \
-               "written before receipts recorded their data), so --data has nothing to check"
+    """The receipt's data binding ("prompt.data" of a step receipt, "fixture.data" of a parity receipt, which
+    carries its own "data_cursor"), or why it has no usable one."""
+    for section in BOUND_IN:
+        data = receipt[section].get(DATA_KEY) if isinstance(receipt.get(section), Mapping) else None
+        if data is not None:
+            break
+    else:
+        return "the receipt binds no data file (no 'prompt.data' or 'fixture.data' section: written before " \
+               "receipts recorded their data), so --data has nothing to check"
     if not (isinstance(data, Mapping) and isinstance(data.get("sha256"), str) and isinstance(data.get("rows"), list)):
-        return f"receipt section 'prompt.data' must hold a 'sha256' string and a 'rows' list, got {data!r}"
-    return dict(data)
+        return f"receipt section '{section}.data' must hold a 'sha256' string and a 'rows' list, got {data!r}"
+    return {**data, "section": f"{section}.{DATA_KEY}"}
 
 
 def _selected(data: DataFile, dedupe: Any, cursor: Any, candidate: Any) -> int | None:
@@ -84,12 +88,12 @@ def data_failures(receipt: Mapping[str, Any], candidates: Any, rewards_path: str
         return [f"--data {data.path}: sha256 {data.sha256}, but the receipt's data file ({binding.get('path')}) has "
                 f"sha256 {binding['sha256']}: not the file this run read"], None
     transaction = receipt.get("transaction")
-    cursor = transaction.get("data_cursor") if isinstance(transaction, Mapping) else None
+    cursor = binding.get("data_cursor", transaction.get("data_cursor") if isinstance(transaction, Mapping) else None)
     listed = {r.get("candidate"): r for r in binding["rows"] if isinstance(r, Mapping)}
     failures: list[str] = []
     records = candidates if isinstance(candidates, list) else []
     if len(listed) != len(records):
-        failures.append(f"receipt section 'prompt.data.rows' lists {len(listed)} candidates, {rewards_path} "
+        failures.append(f"receipt section '{binding['section']}.rows' lists {len(listed)} candidates, {rewards_path} "
                         f"{len(records)}")
     for cd in records:
         if not isinstance(cd, Mapping):
@@ -109,7 +113,7 @@ def data_failures(receipt: Mapping[str, Any], candidates: Any, rewards_path: str
                             f"{data.path} has {row.ground_truth!r}")
         entry = listed.get(i)
         if entry is not None and (entry.get("row"), entry.get("extra_info_index")) != (pos, row.uid):
-            failures.append(f"receipt section 'prompt.data.rows': candidate {i} is row {entry.get('row')!r} "
+            failures.append(f"receipt section '{binding['section']}.rows': candidate {i} is row {entry.get('row')!r} "
                             f"(extra_info.index {entry.get('extra_info_index')!r}), but {rewards_path} scored row "
                             f"{pos}, whose extra_info.index in {data.path} is {row.uid!r}")
     return failures, {r.index: r.ground_truth for r in data.rows}
