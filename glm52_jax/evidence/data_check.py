@@ -15,6 +15,7 @@ evidence package still starts without JAX or numpy.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,6 +34,18 @@ class DataFile:
     path: str
     sha256: str
     rows: tuple  # dapo_data.DapoRow, index = position
+
+    @functools.cached_property
+    def deduped(self) -> list:
+        """The rows a run with `data.dedupe` reads (computed once for every receipt checked)."""
+        from glm52_jax.dapo_data import dedupe_rows
+
+        return dedupe_rows(self.rows)
+
+    @functools.cached_property
+    def ground_truths(self) -> dict[int, str]:
+        """{row position: ground truth}."""
+        return {r.index: r.ground_truth for r in self.rows}
 
 
 def read_data_file(path: str | os.PathLike) -> DataFile:
@@ -69,11 +82,9 @@ def _binding(receipt: Mapping[str, Any]) -> dict | str:
 
 def _selected(data: DataFile, dedupe: Any, cursor: Any, candidate: Any) -> int | None:
     """The file position of the row the run's data cursor gives candidate `candidate` (None: not recorded)."""
-    from glm52_jax.dapo_data import dedupe_rows
-
     if not isinstance(cursor, int) or not isinstance(candidate, int) or not data.rows:
         return None
-    rows = dedupe_rows(data.rows) if dedupe is True else data.rows
+    rows = data.deduped if dedupe is True else data.rows
     return rows[(cursor + candidate) % len(rows)].index
 
 
@@ -116,7 +127,7 @@ def data_failures(receipt: Mapping[str, Any], candidates: Any, rewards_path: str
             failures.append(f"receipt section '{binding['section']}.rows': candidate {i} is row {entry.get('row')!r} "
                             f"(extra_info.index {entry.get('extra_info_index')!r}), but {rewards_path} scored row "
                             f"{pos}, whose extra_info.index in {data.path} is {row.uid!r}")
-    return failures, {r.index: r.ground_truth for r in data.rows}
+    return failures, data.ground_truths
 
 
 def check_data(receipt_path: str | os.PathLike, data: DataFile) -> tuple[list[str], dict[int, str] | None]:

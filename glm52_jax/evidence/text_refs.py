@@ -213,6 +213,10 @@ def _completion_tokens(receipt: Mapping[str, Any], run_dir: Path, path: str, rec
     return failures
 
 
+def _sample_order(j: Any) -> tuple:
+    return (0, j, "") if isinstance(j, int) else (1, 0, str(j))  # ints in order; anything else after, not raising
+
+
 def text_failures(run_dir: Path, receipt: Mapping[str, Any], readable: Collection[str]) -> list[str]:
     """One line per disagreement between the places a receipt states its samples (the module doc); `readable`:
     the manifest paths whose files verified (only those are read)."""
@@ -243,7 +247,7 @@ def text_failures(run_dir: Path, receipt: Mapping[str, Any], readable: Collectio
             for r in records:
                 if isinstance(r, Mapping) and r.get("request") == "candidate":
                     texts.setdefault(r.get("candidate"), {})[r.get("sample")] = r.get("text")
-            by_candidate = {c: [t[j] for j in sorted(t, key=str)] for c, t in texts.items()}
+            by_candidate = {c: [t[j] for j in sorted(t, key=_sample_order)] for c, t in texts.items()}
             failures += cross_checks(receipt, path, candidates, by_candidate)
             failures += _samples(records, sample_paths[0], candidates, path, tokenizer)
     if isinstance(records, list):
