@@ -76,6 +76,15 @@ def test_the_committed_receipt_binds_its_rows_and_verifies_against_the_shipped_d
         f"OK sampled texts equal their tokens detokenised with {DATA.parent / 'tokenizer.json'}"], lines
 
 
+def test_the_committed_parity_receipt_binds_its_rows_too(capsys):
+    parity = ROOT / "evidence" / "gradient_parity_tiny.json"
+    data = json.loads(parity.read_text())["fixture"]["data"]
+    assert data["data_cursor"] == 0 and data["sha256"] == hashlib.sha256(DATA.read_bytes()).hexdigest()
+    code, lines = _verify(capsys, "--data", str(DATA), "--recompute-rewards", str(parity))
+    assert code == 0 and lines[-1] == (f"OK data file {DATA} is the one the run read (sha256 {data['sha256']}); every "
+                                       "scored row and ground truth re-read from it"), lines
+
+
 def test_a_forged_ground_truth_with_forged_rewards_fails_verify_data(tmp_path, capsys):
     """Candidate 0's ground truth set to sample 1's wrong answer and the rewards flipped to match: every hash
     re-sealed, the reward recomputation (from the receipt's own ground truth) agrees; the data file does not."""
@@ -188,3 +197,26 @@ def test_verify_data_imports_neither_jax_nor_numpy():
             "print(sorted(m for m in ('jax', 'numpy', 'flax') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[-1] == "[]"
+
+
+def test_the_data_cursor_counts_rows_after_dedupe(tmp_path):
+    """`data.dedupe`: the cursor walks the de-duplicated rows, a row keeps its file position (rows 0 and 1 repeat
+    one prompt, so cursor 1 is file row 2)."""
+    from glm52_jax.dapo_data import dapo_record
+    from glm52_jax.evidence.data_check import data_failures, read_data_file
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(dapo_record(p, gt, i)) + "\n"
+                            for i, (p, gt) in enumerate([("1+1?", 2), ("1+1?", 2), ("2+2?", 4)])))
+    data = read_data_file(path)
+
+    def failures(row: int, dedupe: bool) -> list[str]:
+        receipt = {"transaction": {"data_cursor": 1},
+                   "prompt": {"data": {"sha256": data.sha256, "dedupe": dedupe,
+                                       "rows": [{"candidate": 0, "row": row, "extra_info_index": row}]}}}
+        candidates = [{"candidate": 0, "row": row, "ground_truth": data.rows[row].ground_truth}]
+        return data_failures(receipt, candidates, "rewards.json", data)[0]
+
+    assert failures(2, dedupe=True) == [] and failures(1, dedupe=False) == []
+    assert failures(1, dedupe=True) == [f"rewards.json: candidate 0: scored row 1, but data cursor 1 gives candidate 0 "
+                                        f"row 2 of {path}"]
