@@ -111,8 +111,8 @@ def policy_decodes(rows: list[int], steps: int = 16, prompt_tokens: int = 256, c
     from importlib import resources
 
     from glm52_jax.checkpoint.hf import load_pretrained
+    from glm52_jax.dapo_data import load_rows
     from glm52_jax.model.options import ModelOptions
-    from glm52_jax.rl.data import load_rows
     from glm52_jax.rl.prompts import build_exact_prompt
     from glm52_jax.rollout.tokenizer import Tokenizer
 

@@ -69,8 +69,8 @@ def policy(rows: list[int], prompt_tokens: int = 256, steps: int = 16, chunk: in
     from importlib import resources
 
     from glm52_jax.checkpoint.hf import load_pretrained
+    from glm52_jax.dapo_data import load_rows
     from glm52_jax.model.options import ModelOptions
-    from glm52_jax.rl.data import load_rows
     from glm52_jax.rl.prompts import build_exact_prompt
     from glm52_jax.rollout.tokenizer import Tokenizer
 

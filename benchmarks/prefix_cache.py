@@ -20,7 +20,7 @@ def measure(prompt_tokens: int, chunk_size: int = 2048, max_new_tokens: int = 8,
     from flax import nnx
 
     import glm52_jax
-    from glm52_jax.rl.data import load_rows
+    from glm52_jax.dapo_data import load_rows
     from glm52_jax.rl.prompts import build_exact_prompt
     from glm52_jax.rollout.sampler import Sampler, SamplingParams
     from glm52_jax.rollout.tokenizer import Tokenizer

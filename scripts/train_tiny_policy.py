@@ -55,11 +55,11 @@ from flax import nnx
 from glm52_jax import positions as rope_lib
 from glm52_jax.checkpoint.hf import load_pretrained, save_pretrained
 from glm52_jax.config import tiny
+from glm52_jax.dapo_data import load_rows
 from glm52_jax.model.indexer import block_scores
 from glm52_jax.model.layers import project
 from glm52_jax.model.options import ModelOptions
 from glm52_jax.model.transformer import GlmMoeDsa, target_logprobs
-from glm52_jax.rl.data import load_rows
 from glm52_jax.rl.prompts import QUESTION_SEPARATOR, build_exact_prompt, layout_exact_prompt, min_prompt_tokens
 from glm52_jax.rl.rewards.dapo import compute_score
 from glm52_jax.rollout.sampler import Sampler, SamplingParams

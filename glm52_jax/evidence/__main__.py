@@ -3,6 +3,8 @@
     python -m glm52_jax.evidence verify RECEIPT [--json]   # exit 0 valid, 1 failures, 2 usage (a parity receipt's
                                                            # decisions are recomputed from its metrics too)
     python -m glm52_jax.evidence verify --recompute-rewards RECEIPT   # also re-score every stored reward
+    python -m glm52_jax.evidence verify --data FILE RECEIPT   # the scored rows re-read from the run's data file
+                                                           # (with --recompute-rewards: re-scored against FILE's)
     python -m glm52_jax.evidence verify WORKDIR            # every committed receipt of a run
     python -m glm52_jax.evidence show RECEIPT              # short summary (does not verify)
     python -m glm52_jax.evidence publish RECEIPT DIR/NAME.json   # a verified receipt under its own name
@@ -22,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from glm52_jax.evidence.data_check import DataFile, check_data, read_data_file
 from glm52_jax.evidence.parity_check import parity_decision_failures
 from glm52_jax.evidence.receipt import (
     NONDETERMINISTIC_KEY,
@@ -35,14 +38,21 @@ from glm52_jax.evidence.rewards_check import recompute_rewards
 from glm52_jax.evidence.run_dir import find_receipts
 
 
-def _check(path: Path, recompute: bool) -> dict[str, Any]:
-    """One receipt's verification record: ok, failures, artifacts, manifest sha256 (and rewards recomputed, and a
-    parity receipt's decisions recomputed from its metrics)."""
+def _check(path: Path, recompute: bool, data: DataFile | None = None) -> dict[str, Any]:
+    """One receipt's verification record: ok, failures, artifacts, manifest sha256 (and rewards recomputed, the
+    scored rows checked against `data`, a parity receipt's decisions recomputed from its metrics, and which
+    tokenizer detokenised the sampled tokens)."""
+    from glm52_jax.evidence.text_refs import detokenizer
+
     failures = verify(path)
-    rewards = None
+    rewards, truths = None, None
+    if data is not None:  # also when a hash fails, as below
+        data_lines, truths = check_data(path, data)
+        failures += data_lines
     if recompute:  # also when a hash fails: every difference is worth naming
-        reward_failures, rewards = recompute_rewards(path)
+        reward_failures, rewards = recompute_rewards(path, ground_truths=truths)
         failures += reward_failures
+    failures = list(dict.fromkeys(failures))  # verify's cross-references and the recomputation share some lines
     try:
         receipt = load_receipt(receipt_file(path))
     except EvidenceError:
@@ -58,6 +68,11 @@ def _check(path: Path, recompute: bool) -> dict[str, Any]:
               "artifacts": None if manifest is None else len(manifest), "manifest_sha256": manifest_sha}
     if recompute:
         record["rewards_recomputed"] = rewards
+    if data is not None:
+        record["data"] = {"path": data.path, "sha256": data.sha256, "rows_checked": truths is not None}
+    if isinstance(receipt, dict) and isinstance(receipt.get("completions"), list):
+        tokenizer, where = detokenizer(receipt)
+        record["detokenised_with" if tokenizer is not None else "not_detokenised"] = where
     if decided:
         record["parity_decisions_recomputed"] = decided
     return record
@@ -71,14 +86,29 @@ def _lines(record: dict[str, Any]) -> list[str]:
         lines.append(f"OK {record['parity_decisions_recomputed']} parity decisions recomputed from their metrics and "
                      "bounds, all equal to the stored ones")
     if "rewards_recomputed" in record:
-        lines.append(f"OK {record['rewards_recomputed']} rewards recomputed with the DAPO rule, all equal to the "
-                     "stored ones")
+        lines.append(f"OK {record['rewards_recomputed']} rewards recomputed with the DAPO rule"
+                     + (" against the data file's ground truths" if "data" in record else "")
+                     + ", all equal to the stored ones")
+    if "data" in record:
+        lines.append(f"OK data file {record['data']['path']} is the one the run read (sha256 "
+                     f"{record['data']['sha256']}); every scored row and ground truth re-read from it")
+    if "detokenised_with" in record:
+        lines.append(f"OK sampled texts equal their tokens detokenised with {record['detokenised_with']}")
+    elif "not_detokenised" in record:
+        lines.append(f"NOTE sampled texts not compared with their tokens: {record['not_detokenised']}")
     return lines
 
 
-def _verify(path: Path, as_json: bool, recompute: bool) -> int:
+def _verify(path: Path, as_json: bool, recompute: bool, data_path: str | None = None) -> int:
+    data = None
+    if data_path is not None:
+        try:
+            data = read_data_file(data_path)
+        except EvidenceError as e:
+            print(e)
+            return 2
     found = find_receipts(path)
-    records = [_check(p, recompute) for p in found.receipts]
+    records = [_check(p, recompute, data) for p in found.receipts]
     if found.single:
         record = records[0]
         print(json.dumps(record) if as_json else "\n".join(_lines(record)))
@@ -136,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     p_verify.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p_verify.add_argument("--recompute-rewards", action="store_true",
                           help="also recompute every stored reward from its stored text and ground truth (DAPO rule)")
+    p_verify.add_argument("--data", metavar="FILE",
+                          help="the DAPO data file the run read (.jsonl/.parquet; the shipped problems: "
+                               "glm52_jax/assets/math_problems.jsonl): check its sha256 is the receipt's and every "
+                               "scored row's ground truth is FILE's; with --recompute-rewards, re-score against FILE")
     p_show = sub.add_parser("show", help="print a short summary of a receipt")
     p_show.add_argument("receipt", help="receipt.json or its directory")
     p_publish = sub.add_parser("publish", help="copy a verified receipt (and its artifacts) under a name of its own")
@@ -163,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         return readiness.main(args.online, args.parity, as_json=args.json, online_tokens=args.online_tokens,
                               parity_tokens=args.parity_tokens)
     if args.command == "verify":
-        return _verify(Path(args.receipt), args.json, args.recompute_rewards)
+        return _verify(Path(args.receipt), args.json, args.recompute_rewards, args.data)
     if args.command in ("publish", "compare"):
         from glm52_jax.evidence.publish import publish, result_differences
 

@@ -292,7 +292,9 @@ def verify(receipt_path: str | os.PathLike) -> list[str]:
     `receipt_path` may also be the run directory. Checks: readable standard JSON, schema/version,
     receipt_sha256, manifest_sha256, each manifest path (plain, under artifacts/, no symlinks),
     each artifact's presence, size and sha256, that artifacts/ holds nothing unlisted, and that the hashes the
-    receipt quotes (e.g. training.lora_sha256_after) are those of the artifacts they name (`cross_refs`).
+    receipt quotes (e.g. training.lora_sha256_after) are those of the artifacts they name (`cross_refs`), and that
+    the places a receipt states its samples agree (completions, rewards, sampler records, their tokens detokenised,
+    completion_tokens.npy: `text_refs`).
     """
     receipt_path = receipt_file(receipt_path)
     try:
@@ -330,6 +332,7 @@ def verify(receipt_path: str | os.PathLike) -> list[str]:
 
     run_dir = receipt_path.parent
     listed: set[str] = set()
+    readable: set[str] = set()  # artifacts that verified: the cross-reference checks read only these
     for i, entry in enumerate(manifest):
         problem = _entry_problem(entry, artifacts)
         if problem:
@@ -343,11 +346,14 @@ def verify(receipt_path: str | os.PathLike) -> list[str]:
         failure = _check_artifact(run_dir, entry, artifacts)
         if failure:
             failures.append(failure)
+        else:
+            readable.add(path)
     failures += [f"unexpected file not in the manifest: {p}" for p in _files_under(run_dir, artifacts)
                  if p not in listed]
     from glm52_jax.evidence.cross_refs import quoted_hash_failures
+    from glm52_jax.evidence.text_refs import text_failures
 
-    return failures + quoted_hash_failures(receipt)
+    return failures + quoted_hash_failures(receipt) + text_failures(run_dir, receipt, readable)
 
 
 def _entry_problem(entry: Any, artifacts: str) -> str | None:

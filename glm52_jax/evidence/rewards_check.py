@@ -23,20 +23,19 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from glm52_jax.evidence.receipt import EvidenceError, load_receipt, receipt_file
+from glm52_jax.evidence.text_refs import REWARDS_KIND, SAMPLES_KIND, cross_checks
 
-REWARDS_KIND = "rewards"
-SAMPLES_KIND = "samples"
 RULE_SECTION = "reward_rule"
 _CANDIDATE_KEYS = ("candidate", "texts", "ground_truth", "rewards", "preds")
 
 
-def _artifacts(receipt: Mapping[str, Any], kind: str) -> list[str]:
+def artifacts_of_kind(receipt: Mapping[str, Any], kind: str) -> list[str]:
     manifest = receipt.get("manifest")
     return [e["path"] for e in manifest if isinstance(e, dict) and e.get("kind") == kind] \
         if isinstance(manifest, list) else []
 
 
-def _read_json(run_dir: Path, path: str) -> Any:
+def read_artifact_json(run_dir: Path, path: str) -> Any:
     try:
         return json.loads((run_dir / PurePosixPath(path)).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -66,8 +65,11 @@ def boxed_fallback_of(receipt: Mapping[str, Any]) -> bool | str:
     return rule["boxed_fallback"]
 
 
-def recompute_candidates(path: str, candidates: Any, *, boxed_fallback: bool = False) -> tuple[list[str], int]:
-    """(a line per difference, rewards recomputed) for one rewards artifact's candidate records."""
+def recompute_candidates(path: str, candidates: Any, *, boxed_fallback: bool = False,
+                         ground_truths: Mapping[int, str] | None = None) -> tuple[list[str], int]:
+    """(a line per difference, rewards recomputed) for one rewards artifact's candidate records. `ground_truths`
+    ({row position: ground truth}, from the data file: `verify --data`) replaces each record's stored ground
+    truth when given."""
     from glm52_jax.rl.rewards.dapo import compute_score
 
     if not isinstance(candidates, list):
@@ -78,36 +80,20 @@ def recompute_candidates(path: str, candidates: Any, *, boxed_fallback: bool = F
         if problem:
             failures.append(f"{path}: record {i} is malformed: {problem}")
             continue
+        truth = cd["ground_truth"] if ground_truths is None else ground_truths.get(cd.get("row"), cd["ground_truth"])
         for j, text in enumerate(cd["texts"]):
-            score = compute_score(text, cd["ground_truth"], boxed_fallback=boxed_fallback)
+            score = compute_score(text, truth, boxed_fallback=boxed_fallback)
             count += 1
             where = f"{path}: candidate {cd['candidate']} sample {j}"
             if cd["rewards"][j] != score["score"]:
                 failures.append(f"{where}: stored reward {cd['rewards'][j]!r}, recomputed {score['score']!r} "
-                                f"(pred {score['pred']!r}, ground truth {cd['ground_truth']!r})")
+                                f"(pred {score['pred']!r}, ground truth {truth!r})")
             if cd["preds"][j] != score["pred"]:
                 failures.append(f"{where}: stored pred {cd['preds'][j]!r}, recomputed {score['pred']!r}")
     return failures, count
 
 
-def _cross_checks(receipt: Mapping[str, Any], path: str, candidates: list, sample_texts: dict | None) -> list[str]:
-    """The receipt's "rewards" section and the raw sampler texts against one rewards artifact."""
-    failures = []
-    section = receipt.get("rewards")
-    if section is not None and section != [cd.get("rewards") for cd in candidates if isinstance(cd, dict)]:
-        failures.append(f"receipt section 'rewards' {section!r} differs from the rewards in {path}")
-    if sample_texts is not None:
-        for cd in candidates:
-            if not isinstance(cd, dict):
-                continue
-            raw = sample_texts.get(cd.get("candidate"))
-            if raw != cd.get("texts"):
-                failures.append(f"{path}: candidate {cd.get('candidate')}: texts differ from samples.jsonl "
-                                f"({cd.get('texts')!r} vs {raw!r})")
-    return failures
-
-
-def _sample_texts(run_dir: Path, paths: Sequence[str]) -> tuple[dict | None, list[str]]:
+def read_sample_texts(run_dir: Path, paths: Sequence[str]) -> tuple[dict | None, list[str]]:
     """{candidate: [text of sample 0, 1, ...]} from the candidate requests of `samples.jsonl`."""
     if not paths:
         return None, []
@@ -122,8 +108,10 @@ def _sample_texts(run_dir: Path, paths: Sequence[str]) -> tuple[dict | None, lis
     return {c: [by_sample[j] for j in sorted(by_sample)] for c, by_sample in texts.items()}, []
 
 
-def recompute_rewards(receipt_path: str | Path) -> tuple[list[str], int]:
-    """(a line per difference, rewards recomputed) over every rewards artifact of the receipt.
+def recompute_rewards(receipt_path: str | Path, *, ground_truths: Mapping[int, str] | None = None
+                      ) -> tuple[list[str], int]:
+    """(a line per difference, rewards recomputed) over every rewards artifact of the receipt; `ground_truths`
+    as in `recompute_candidates`.
 
     A receipt without a rewards artifact is a failure (there is nothing to recompute). Hashes are
     not checked here: `receipt.verify` does that.
@@ -134,23 +122,24 @@ def recompute_rewards(receipt_path: str | Path) -> tuple[list[str], int]:
     except EvidenceError as e:
         return [str(e)], 0
     run_dir = receipt_path.parent
-    paths = _artifacts(receipt, REWARDS_KIND)
+    paths = artifacts_of_kind(receipt, REWARDS_KIND)
     if not paths:
         return [f"{receipt_path}: no artifact of kind {REWARDS_KIND!r} to recompute"], 0
     boxed_fallback = boxed_fallback_of(receipt)
     if isinstance(boxed_fallback, str):
         return [f"{receipt_path}: {boxed_fallback}"], 0
-    sample_texts, failures = _sample_texts(run_dir, _artifacts(receipt, SAMPLES_KIND))
+    raw_texts, failures = read_sample_texts(run_dir, artifacts_of_kind(receipt, SAMPLES_KIND))
     total = 0
     for path in paths:
         try:
-            candidates = _read_json(run_dir, path)
+            candidates = read_artifact_json(run_dir, path)
         except EvidenceError as e:
             failures.append(str(e))
             continue
-        lines, count = recompute_candidates(path, candidates, boxed_fallback=boxed_fallback)
+        lines, count = recompute_candidates(path, candidates, boxed_fallback=boxed_fallback,
+                                            ground_truths=ground_truths)
         failures += lines
         total += count
         if isinstance(candidates, list):
-            failures += _cross_checks(receipt, path, candidates, sample_texts)
+            failures += cross_checks(receipt, path, candidates, raw_texts)
     return failures, total

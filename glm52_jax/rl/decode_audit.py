@@ -13,7 +13,7 @@ recomputed from `samples.jsonl`:
   tokens are one token; for p = 2 the last 8 tokens are "a b a b a b a b"; and so on. The smallest
   such p is reported with the number of back-to-back repeats of its unit at the end.
 * marker echo: the text contains the DAPO template placeholder ``$Answer``, or a run of
-  `ECHO_WORDS` consecutive words of the DAPO instruction (`rl.data.DAPO_PROMPT_PREFIX` and
+  `ECHO_WORDS` consecutive words of the DAPO instruction (`dapo_data.DAPO_PROMPT_PREFIX` and
   `DAPO_PROMPT_SUFFIX`; words = whitespace-separated, compared lowercased). A plain final line
   ``Answer: 4`` is the requested format, not an echo.
 * finish reasons: "stop" (a stop token ended the sample) vs "length" (`max_new_tokens` reached).
@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from glm52_jax.rl.data import DAPO_PROMPT_PREFIX, DAPO_PROMPT_SUFFIX
+from glm52_jax.dapo_data import DAPO_PROMPT_PREFIX, DAPO_PROMPT_SUFFIX
 
 REPLACEMENT_CHAR = "\ufffd"
 MAX_PERIOD = 4  # longest repeating unit (tokens) counted as a degeneration

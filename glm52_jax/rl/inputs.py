@@ -148,6 +148,19 @@ def tokenizer_for(model: ModelSpec):
         raise ConfigError(f"--config.model.tokenizer={model.tokenizer}: {e}") from None
 
 
+def source_record(path: str | os.PathLike | None, *, dedupe: bool) -> dict[str, Any]:
+    """What a receipt binds of the data file a run reads (its "prompt.data" section, less the rows): the path as
+    given (`dapo_data.EMBEDDED_PROBLEMS` for the shipped set), whether it is the shipped set, the sha256 of its
+    bytes, and `dedupe` (with the data cursor it says which row each candidate reads). `verify --data FILE`
+    re-reads it (evidence/data_check.py)."""
+    from glm52_jax.dapo_data import EMBEDDED_PROBLEMS, default_problems_path
+    from glm52_jax.evidence.hashing import sha256_file
+
+    embedded = not path
+    return {"path": EMBEDDED_PROBLEMS if embedded else os.fspath(path), "embedded": embedded,
+            "sha256": sha256_file(default_problems_path() if embedded else path), "dedupe": dedupe}
+
+
 def exact_prompt(tokenizer, row, n_tokens: int, *, flag: str | None = None) -> list[int]:
     """`build_exact_prompt` with its errors as ConfigErrors: a template's names its file, a row's the N
     (`flag`, default `--config.data.prompt_tokens=N`)."""
@@ -196,11 +209,28 @@ class RunInputs:
     rows: list  # every DapoRow; transaction k reads on from its data cursor
     first_prompts: list[list[int]]  # exact-N ids of the first transaction's candidates (checked)
     init_adapter: dict[str, str] | None = None  # `model.init_adapter`'s path and weights sha256 (checked)
+    data: dict[str, Any] | None = None  # the data file the rows came from (`source_record`)
 
     @property
     def chat_template(self) -> dict[str, str] | None:
         """Which chat template renders the prompts and its sha256 (the receipt's "prompt" section)."""
         return None if self.tokenizer is None else self.tokenizer.chat_template.describe()
+
+    @property
+    def tokenizer_record(self) -> dict[str, str] | None:
+        """The tokenizer.json the completions were decoded with, and its sha256 (the receipt's "prompt" section:
+        `verify` detokenises the sampled tokens with it when it is on the verifying machine)."""
+        from glm52_jax.evidence.hashing import sha256_file
+
+        path = getattr(self.tokenizer, "path", None)
+        return None if path is None else {"path": str(path), "sha256": sha256_file(path)}
+
+    def data_record(self, candidates: list[dict]) -> dict[str, Any]:
+        """The receipt's "prompt.data": the data file (`data`) and, per candidate tried, the row it scored: its
+        0-based record position in the file ("row", as everywhere in the receipt) and its own `extra_info.index`."""
+        uid = {row.index: row.uid for row in self.rows}
+        return {**(self.data or {}), "rows": [{"candidate": cd["candidate"], "row": cd["row"],
+                                              "extra_info_index": uid.get(cd["row"])} for cd in candidates]}
 
     def candidate(self, cursor: int, i: int) -> tuple[Any, list[int]]:
         """Row and exact-N prompt of candidate `i` at data position `cursor` (wrapping around the rows)."""
@@ -226,7 +256,7 @@ def check_weights(model: ModelSpec) -> None:
 
 def resolve(spec: RunSpec, *, data: bool = True) -> RunInputs:
     """Checks the files a run needs and resolves them (no model is built). `data=False`: model only."""
-    from glm52_jax.rl.data import load_rows
+    from glm52_jax.dapo_data import load_rows
 
     model_cfg, scaling, scaling_source, _ = model_config(spec.model)
     check_capacity(model_cfg, spec, scaling_source)
@@ -239,6 +269,7 @@ def resolve(spec: RunSpec, *, data: bool = True) -> RunInputs:
         raise ConfigError(f"--config.data.path={spec.data.path}: {e}") from None
     if not rows:
         raise ConfigError(f"--config.data.path={spec.data.path}: no rows")
+    data_source = source_record(spec.data.path, dedupe=spec.data.dedupe)
     tok = tokenizer_for(spec.model)
     prompts = [exact_prompt(tok, rows[(spec.data.first_row + i) % len(rows)], spec.data.prompt_tokens)
                for i in range(spec.search.max_candidates)]
@@ -248,4 +279,4 @@ def resolve(spec: RunSpec, *, data: bool = True) -> RunInputs:
     if max(max(p) for p in prompts) >= model_cfg.vocab_size:
         raise ConfigError(f"the tokenizer's ids exceed the model's vocab_size {model_cfg.vocab_size} "
                           f"(--config.model.tokenizer={spec.model.tokenizer})")
-    return RunInputs(spec, model_cfg, scaling, tok, rows, prompts, init_adapter_record(spec, model_cfg))
+    return RunInputs(spec, model_cfg, scaling, tok, rows, prompts, init_adapter_record(spec, model_cfg), data_source)

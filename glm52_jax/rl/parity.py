@@ -196,7 +196,9 @@ def _parity(inputs, model, optimizer, writer, artifacts: Path, mesh_spec, log) -
         "fixture": {"row": accepted.row.index, "candidate": accepted.index, "rewards": accepted.rewards,
                     "prompt_tokens": len(prompt), "response_tokens": int(mask.sum()),
                     "num_samples": spec.sampling.num_samples, "group_samples": accepted.samples,
-                    "advantages": np.asarray(advantages).tolist(), "cases": parity_cases.describe_cases()},
+                    "advantages": np.asarray(advantages).tolist(), "cases": parity_cases.describe_cases(),
+                    # The rows the search scored, bound to the data file (`verify --data`); from data.first_row.
+                    "data": {**inputs.data_record(candidates), "data_cursor": spec.data.first_row}},
         "reward_rule": reward_rule(spec.reward.boxed_fallback),
         "config": {"name": spec.name, "sha256": spec.config_sha256()},
         "model": {"checkpoint": spec.model.base_name, "dtype": spec.model.dtype},

@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from glm52_jax.rl.data import DapoRow
+from glm52_jax.dapo_data import DapoRow
 from glm52_jax.rollout.tokenizer import ChatFormat, Tokenizer
 
 __all__ = ["ExactPrompt", "QUESTION_SEPARATOR", "build_exact_prompt", "filler_block", "filler_lines",

@@ -157,7 +157,8 @@ def receipt_fields(inputs: RunInputs, cfg, *, step: int, cursor: int, candidates
     return {
         "transaction": {"step": step, "data_cursor": cursor},
         "prompt": {"tokens": spec.data.prompt_tokens, "filler": "deterministic, shared across rows",
-                   "chat_template": inputs.chat_template},
+                   "chat_template": inputs.chat_template, "tokenizer": inputs.tokenizer_record,
+                   "data": inputs.data_record(candidates)},
         "model": {"checkpoint": m.base_name, "dtype": m.dtype, "layers": cfg.num_hidden_layers,
                   "full_indexer_layers": cfg.indexer_types.count("full"),
                   "lora": {"rank": m.lora_rank, "alpha": m.lora_alpha, "families": sorted(m.lora_families)},

@@ -35,7 +35,8 @@ def test_the_committed_tiny_receipts_are_blocked_by_their_sizes_only(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[:3] == ["blocked", "  blocker: O2 online: the prompt is 256 tokens, not 2,097,152",
                          "  blocker: P2 parity: the prompt is 256 tokens, fewer than 32,768"]
-    assert lines[3].startswith("online receipt bound to this checkout: no (recorded at commit 8172a3e")
+    commit = json.loads(ONLINE.read_text())["provenance"]["git"]["commit"]  # the commit it was regenerated at
+    assert lines[3].startswith(f"online receipt bound to this checkout: no (recorded at commit {commit}")
     assert main(["readiness", str(ONLINE), str(PARITY), *TINY]) == 0
     assert capsys.readouterr().out.splitlines()[0] == "ready_for_256_token_training"
 

@@ -26,6 +26,7 @@ from lora_utils import fast_rngs
 import glm52_jax
 from glm52_jax import config
 from glm52_jax.checkpoint.hf import load_pretrained
+from glm52_jax.dapo_data import load_rows
 from glm52_jax.model import cache_fp8
 from glm52_jax.model.indexer import cached_topk
 from glm52_jax.model.kv_cache import KVCache
@@ -34,7 +35,6 @@ from glm52_jax.parallel.mesh import parse_mesh
 from glm52_jax.parallel.placement import place_model
 from glm52_jax.parallel.rules import axis_rules
 from glm52_jax.plan.abstract import abstract_cache
-from glm52_jax.rl.data import load_rows
 from glm52_jax.rl.prompts import build_exact_prompt
 from glm52_jax.rollout import sampler
 from glm52_jax.rollout.cache import fit_capacity

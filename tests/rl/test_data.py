@@ -10,7 +10,7 @@ from fractions import Fraction
 
 import pytest
 
-from glm52_jax.rl.data import (
+from glm52_jax.dapo_data import (
     DAPO_PROMPT_TEMPLATE,
     DapoFormatError,
     DapoRow,

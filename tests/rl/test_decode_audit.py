@@ -2,8 +2,8 @@
 
 import pytest
 
+from glm52_jax.dapo_data import DAPO_PROMPT_PREFIX, DAPO_PROMPT_SUFFIX
 from glm52_jax.rl import decode_audit
-from glm52_jax.rl.data import DAPO_PROMPT_PREFIX, DAPO_PROMPT_SUFFIX
 
 
 def _record(text="Answer: 4", tokens=(5, 6, 7), finish_reason="stop", candidate=0, sample=0):

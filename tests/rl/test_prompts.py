@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 
-from glm52_jax.rl.data import load_rows
+from glm52_jax.dapo_data import load_rows
 from glm52_jax.rl.prompts import (
     QUESTION_SEPARATOR,
     build_exact_prompt,

@@ -11,7 +11,7 @@ import pytest
 
 from glm52_jax.checkpoint.hf import load_pretrained
 from glm52_jax.config import ModelConfig, tiny
-from glm52_jax.rl.data import load_rows
+from glm52_jax.dapo_data import load_rows
 from glm52_jax.rl.prompts import build_exact_prompt, min_prompt_tokens
 from glm52_jax.rl.rewards.dapo import compute_score
 from glm52_jax.rollout.sampler import Sampler, SamplingParams

@@ -18,7 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from glm52_jax.dapo_data import default_problems_path
 from glm52_jax.evidence import deterministic_view, verify
+from glm52_jax.evidence.hashing import sha256_file
 from glm52_jax.evidence.publish import result_differences
 from glm52_jax.rl.inputs import resolve
 from glm52_jax.rl.progress import Console
@@ -105,6 +107,16 @@ def test_transactions_update_and_receipts_verify(runs):
         receipt = json.loads(receipt_path.read_text())
         assert receipt["transaction"]["step"] == step
         assert receipt["prompt"]["chat_template"] == ChatTemplate().describe()  # the embedded policy ships none
+        # The rows it scored, bound to the shipped data file's bytes (what `verify --data` re-reads).
+        shipped = [json.loads(line) for line in default_problems_path().read_text().splitlines()]
+        cursor, tried = receipt["transaction"]["data_cursor"], receipt["candidate_search"]["tried"]
+        assert receipt["prompt"]["data"] == {
+            "path": "glm52_jax/assets/math_problems.jsonl", "embedded": True, "dedupe": False,
+            "sha256": sha256_file(default_problems_path()),
+            "rows": [{"candidate": i, "row": cursor + i, "extra_info_index": shipped[cursor + i]["extra_info"]["index"]}
+                     for i in range(tried)]}
+        assert receipt["prompt"]["tokenizer"] == {"path": str(default_tokenizer_path()),
+                                                  "sha256": sha256_file(default_tokenizer_path())}
         training = receipt["training"]
         assert training["optimizer_steps"] == 1 and training["optimizer_steps_total"] == step
         assert training["lora_sha256_before"] != training["lora_sha256_after"]  # the step changed the adapters
@@ -306,9 +318,12 @@ def test_console_names_the_run_and_ends_with_how_to_verify_it(runs):
 def test_cli_receipt_verifies_with_the_evidence_cli(runs):
     """The README's `verify WORKDIR`: every committed step's receipt, the killed step's set-aside evidence named."""
     lines = runs["verify"].stdout.splitlines()
-    assert [line.partition(": ")[0] for line in lines[:3]] == [f"evidence/step_{k:06d}/receipt.json" for k in (1, 2, 3)]
-    assert all(line.partition(": ")[2].startswith("OK ") for line in lines[:3]), lines
-    assert lines[3:] == ["evidence/step_000002.uncommitted-1: not verified (not a committed step)",
+    # Per receipt: its hashes, then its sampled texts against their tokens (the shipped tokenizer, found by sha256).
+    assert [line.partition(": ")[0] for line in lines[:6]] == [f"evidence/step_{k:06d}/receipt.json"
+                                                               for k in (1, 2, 3) for _ in range(2)], lines
+    assert all(line.partition(": ")[2].startswith("OK ") for line in lines[:6]), lines
+    assert lines[1].endswith(f": OK sampled texts equal their tokens detokenised with {default_tokenizer_path()}")
+    assert lines[6:] == ["evidence/step_000002.uncommitted-1: not verified (not a committed step)",
                          "OK: 3 of 3 receipts verified"], lines
 
 

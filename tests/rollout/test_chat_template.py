@@ -8,7 +8,7 @@ import shutil
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from glm52_jax.rl.data import load_rows
+from glm52_jax.dapo_data import load_rows
 from glm52_jax.rl.prompts import QUESTION_SEPARATOR, filler_block, filler_lines, layout_exact_prompt, min_prompt_tokens
 from glm52_jax.rollout.chat_template import ChatTemplateError, JinjaChatTemplate, find_chat_template
 from glm52_jax.rollout.tokenizer import ChatTemplate, Tokenizer, default_tokenizer_path

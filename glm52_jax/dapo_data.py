@@ -11,6 +11,9 @@ Schema (HF `BytedTsinghua-SIA/DAPO-Math-17k`, one row per problem)::
 `load_rows()` reads JSONL (one object per line) or Parquet (needs `pyarrow`); with no path it
 reads the shipped `glm52_jax/assets/math_problems.jsonl` (75 hand-written integer-answer problems,
 each with an `extra_info.check` arithmetic expression that the tests evaluate).
+
+A top-level module importing only the standard library: the run (`rl.inputs`) and the evidence verifier
+(`verify --data`, `evidence.data_check`) read rows with the same parser, and the verifier starts without JAX.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DAPO_PROMPT_PREFIX", "DAPO_PROMPT_SUFFIX", "DAPO_PROMPT_TEMPLATE", "DapoFormatError", "DapoRow",
-           "default_problems_path", "dapo_record", "load_rows", "parse_row"]
+__all__ = ["DAPO_PROMPT_PREFIX", "DAPO_PROMPT_SUFFIX", "DAPO_PROMPT_TEMPLATE", "EMBEDDED_PROBLEMS", "DapoFormatError",
+           "DapoRow", "default_problems_path", "dapo_record", "dedupe_rows", "load_rows", "parse_row"]
 
 DAPO_PROMPT_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of "
                       "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
@@ -77,6 +80,10 @@ class DapoRow:
 
     def dedupe_key(self) -> tuple[tuple[str, str], ...]:
         return tuple((m["role"], m["content"]) for m in self.prompt)
+
+
+# How a receipt names the shipped problems (the package-relative path; where the package lives differs per install).
+EMBEDDED_PROBLEMS = "glm52_jax/assets/math_problems.jsonl"
 
 
 def default_problems_path() -> Path:
@@ -185,6 +192,18 @@ def _read_parquet(path: Path) -> Iterable[tuple[Any, str]]:
             yield raw, ""
 
 
+def dedupe_rows(rows: Iterable[DapoRow]) -> list[DapoRow]:
+    """`rows` without those whose prompt messages equal an earlier row's (the first occurrence kept)."""
+    seen: set = set()
+    unique = []
+    for row in rows:
+        key = row.dedupe_key()
+        if key not in seen:
+            seen.add(key)
+            unique.append(row)
+    return unique
+
+
 def load_rows(path: str | os.PathLike | None = None, *, dedupe: bool = False,
               select: int | Sequence[int] | None = None) -> list[DapoRow]:
     """Load and validate DAPO rows.
@@ -208,14 +227,7 @@ def load_rows(path: str | os.PathLike | None = None, *, dedupe: bool = False,
         raise ValueError(f"unsupported DAPO data file {path}: expected .jsonl or .parquet")
     rows = [parse_row(raw, i, where=where) for i, (raw, where) in enumerate(raw_rows)]
     if dedupe:
-        seen: set = set()
-        unique = []
-        for row in rows:
-            key = row.dedupe_key()
-            if key not in seen:
-                seen.add(key)
-                unique.append(row)
-        rows = unique
+        rows = dedupe_rows(rows)
     if select is None:
         return rows
     single = isinstance(select, int) and not isinstance(select, bool)
