@@ -15,6 +15,23 @@ def test_plain_lines_once_per_tenth_and_only_for_long_phases():
     assert len(lines) == 11
 
 
+def _read_all(master: int) -> str:
+    """Everything the closed pty's slave side wrote: one read returns one chunk (the line discipline may hand the
+    output over a line at a time; CI once read only up to the first line end), so read until the end (EIO on Linux
+    once the slave is closed and drained)."""
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    return b"".join(chunks).decode()
+
+
 def test_bar_on_a_terminal_moves_below_log_lines():
     master, slave = os.openpty()
     with os.fdopen(slave, "w") as terminal:
@@ -27,8 +44,7 @@ def test_bar_on_a_terminal_moves_below_log_lines():
         console.progress("prefill", 1, 2)
         console.done()  # ended short of its total: cleared, not redrawn by later lines
         console.line("step 1 update")
-    out = os.read(master, 4096).decode()
-    os.close(master)
+    out = _read_all(master)
     assert lines == ["step 1 candidate 0: ...", "step 1 update"]  # log lines go to the log, bars to the terminal
     first = bar_text("candidates", 1, 4, "rewards [1.0, 1.0]")
     assert first == f"candidates |{'#' * (BAR_WIDTH // 4)}{'-' * (BAR_WIDTH * 3 // 4)}|  25% 1/4, rewards [1.0, 1.0]"
