@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -16,30 +15,13 @@ from pathlib import Path
 import pytest
 
 from glm52_jax.dapo_data import default_problems_path
-from glm52_jax.evidence import canonical_sha256, verify
+from glm52_jax.evidence import verify
 from glm52_jax.evidence.__main__ import main
+from tests.receipt_forgery import resealed
 from tests.run_helpers import ROOT
 
 COMMITTED = ROOT / "evidence" / "online_grpo_tiny.json"
 DATA = default_problems_path()
-
-
-def _forged(tmp_path: Path, edit: Callable[[dict, Path], None]) -> Path:
-    """A copy of the committed receipt with `edit(receipt, artifacts_dir)` applied, then re-sealed as a forger
-    would: every artifact's manifest entry, manifest_sha256 and receipt_sha256 recomputed."""
-    artifacts = tmp_path / COMMITTED.stem
-    shutil.copytree(COMMITTED.with_suffix(""), artifacts)
-    receipt = json.loads(COMMITTED.read_text())
-    edit(receipt, artifacts)
-    for entry in receipt["manifest"]:
-        data = (tmp_path / entry["path"]).read_bytes()
-        entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
-    receipt.pop("receipt_sha256")
-    receipt["manifest_sha256"] = canonical_sha256(receipt["manifest"])
-    receipt["receipt_sha256"] = canonical_sha256(receipt)
-    path = tmp_path / COMMITTED.name
-    path.write_text(json.dumps(receipt, indent=2))
-    return path
 
 
 def _rewrite_json(path: Path, edit: Callable[[object], None]) -> None:
@@ -95,7 +77,7 @@ def test_a_forged_ground_truth_with_forged_rewards_fails_verify_data(tmp_path, c
         _rewrite_json(artifacts / "rewards.json", edit)
         receipt["rewards"] = [[-1.0, 1.0]]
 
-    forged = _forged(tmp_path, forge)
+    forged = resealed(COMMITTED, tmp_path, forge)
     truth = json.loads(COMMITTED.with_suffix("").joinpath("rewards.json").read_text())[0]["ground_truth"]
     assert verify(forged) == []
     assert _verify(capsys, "--recompute-rewards", str(forged))[0] == 0  # what a re-sealed forgery used to pass
@@ -119,7 +101,7 @@ def test_a_candidate_moved_to_another_row_fails_verify_data(tmp_path, capsys):
         _rewrite_samples(artifacts / "samples.jsonl", lambda r: r.update(row=5))
         receipt["prompt"]["data"]["rows"][0].update(row=5, extra_info_index=rows[5]["extra_info"]["index"])
 
-    code, lines = _verify(capsys, "--data", str(DATA), str(_forged(tmp_path, forge)))
+    code, lines = _verify(capsys, "--data", str(DATA), str(resealed(COMMITTED, tmp_path, forge)))
     assert code == 1 and lines == ["online_grpo_tiny/rewards.json: candidate 0: scored row 5, but data cursor 0 gives "
                                    f"candidate 0 row 0 of {DATA}"]
 
@@ -174,7 +156,7 @@ def test_a_forged_text_with_its_reward_fails_verify(tmp_path, places, expect):
             _rewrite_samples(artifacts / "samples.jsonl",
                              lambda r: r.update(text=forged_text) if r["sample"] == 1 else None)
 
-    assert verify(_forged(tmp_path, forge)) == expect
+    assert verify(resealed(COMMITTED, tmp_path, forge)) == expect
 
 
 def test_edited_completion_tokens_fail_verify(tmp_path):
@@ -186,7 +168,7 @@ def test_edited_completion_tokens_fail_verify(tmp_path):
         data[start:start + 4] = (7).to_bytes(4, "little")
         path.write_bytes(bytes(data))
 
-    failures = verify(_forged(tmp_path, forge))
+    failures = verify(resealed(COMMITTED, tmp_path, forge))
     assert len(failures) == 1 and failures[0].startswith(
         "online_grpo_tiny/completion_tokens.npy: row 0 (candidate 0 sample 0) is [7, "), failures
 

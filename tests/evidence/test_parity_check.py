@@ -6,25 +6,13 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 
 from glm52_jax.evidence.__main__ import main
 from glm52_jax.evidence.parity_check import parity_decision_failures
-from glm52_jax.evidence.provenance import canonical_sha256
+from tests.receipt_forgery import resealed
 from tests.run_helpers import ROOT
 
 COMMITTED = ROOT / "evidence" / "gradient_parity_tiny.json"
-
-
-def _resealed(tmp_path, edit) -> str:
-    """A copy of the committed receipt with `edit` applied and its receipt_sha256 recomputed (hashes verify)."""
-    receipt = json.loads(COMMITTED.read_text())
-    edit(receipt)
-    receipt["receipt_sha256"] = canonical_sha256({k: v for k, v in receipt.items() if k != "receipt_sha256"})
-    shutil.copytree(COMMITTED.with_suffix(""), tmp_path / COMMITTED.stem)
-    path = tmp_path / COMMITTED.name
-    path.write_text(json.dumps(receipt))
-    return str(path)
 
 
 def test_the_committed_receipts_decisions_follow_from_its_metrics(capsys):
@@ -39,10 +27,10 @@ def test_the_committed_receipts_decisions_follow_from_its_metrics(capsys):
 
 
 def test_an_edited_verdict_fails_verify(tmp_path, capsys):
-    def flip(receipt):
+    def flip(receipt, _artifacts):
         receipt["parity"]["cases"]["active_clip"]["megatron"]["response_only"]["decision"] = "failed"
 
-    assert main(["verify", _resealed(tmp_path, flip)]) == 1
+    assert main(["verify", str(resealed(COMMITTED, tmp_path, flip))]) == 1
     assert capsys.readouterr().out.splitlines() == [
         "parity.cases.active_clip.megatron.response_only: the stored decision 'failed' does not follow from its "
         "metrics and bounds (recomputed: 'passed')"]

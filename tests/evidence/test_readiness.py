@@ -11,23 +11,13 @@ import pytest
 
 from glm52_jax.evidence import readiness
 from glm52_jax.evidence.__main__ import main
-from glm52_jax.evidence.provenance import canonical_sha256, git_info, source_digest
+from glm52_jax.evidence.provenance import git_info, source_digest
+from tests.receipt_forgery import resealed
 from tests.run_helpers import ROOT
 
 ONLINE = ROOT / "evidence" / "online_grpo_tiny.json"
 PARITY = ROOT / "evidence" / "gradient_parity_tiny.json"
 TINY = ["--online-tokens", "256", "--parity-tokens", "256"]  # the committed receipts' own sizes
-
-
-def _resealed(tmp_path, committed, edit) -> str:
-    """A copy of a committed receipt with `edit` applied and its receipt_sha256 recomputed (hashes verify)."""
-    receipt = json.loads(committed.read_text())
-    edit(receipt)
-    receipt["receipt_sha256"] = canonical_sha256({k: v for k, v in receipt.items() if k != "receipt_sha256"})
-    shutil.copytree(committed.with_suffix(""), tmp_path / committed.stem)
-    path = tmp_path / committed.name
-    path.write_text(json.dumps(receipt))
-    return str(path)
 
 
 def test_the_committed_tiny_receipts_are_blocked_by_their_sizes_only(capsys):
@@ -42,19 +32,19 @@ def test_the_committed_tiny_receipts_are_blocked_by_their_sizes_only(capsys):
 
 
 def test_each_rule_names_its_blocker(tmp_path, capsys):
-    def online_edit(receipt):
+    def online_edit(receipt, _artifacts):
         receipt["training"]["mode"] = "exact"  # B1: a mode the parity receipt never compared
         receipt["training"]["optimizer_steps"] = 2  # O4
         receipt["training"]["advantages"] = [0.0, 0.0]  # O3
         receipt["decode_audit"]["replacement_chars"] = 1  # O6
         receipt["cleanup"]["prefix_cache_cleared"] = False  # O5
 
-    def parity_edit(receipt):
+    def parity_edit(receipt, _artifacts):
         receipt["parity"]["cases"]["active_clip"]["clipping"]["low"] = 0  # P3
         receipt["parity"]["optimizer_steps"] = 1  # P4
 
-    online = _resealed(tmp_path / "o", ONLINE, online_edit)
-    parity = _resealed(tmp_path / "p", PARITY, parity_edit)
+    online = str(resealed(ONLINE, tmp_path / "o", online_edit))
+    parity = str(resealed(PARITY, tmp_path / "p", parity_edit))
     assert main(["readiness", online, parity, *TINY, "--json"]) == 1
     record = json.loads(capsys.readouterr().out)
     assert record["decision"] == "blocked"
@@ -70,10 +60,10 @@ def test_a_tampered_receipt_and_an_edited_verdict_block(tmp_path, capsys):
     text["rewards"] = [[1.0, 1.0]]  # not re-sealed: O1 (hash), and not what the DAPO rule gives
     (online / ONLINE.name).write_text(json.dumps(text))
 
-    def flip(receipt):
+    def flip(receipt, _artifacts):
         receipt["parity"]["cases"]["ratio1"]["pairs"]["response_only"]["decision"] = "failed"
 
-    parity = _resealed(tmp_path / "p", PARITY, flip)
+    parity = str(resealed(PARITY, tmp_path / "p", flip))
     record = readiness.decide(online / ONLINE.name, parity, online_tokens=256, parity_tokens=256)
     kinds = {b.split(":")[0] for b in record["blockers"]}
     assert {"O1 online", "O1 online rewards", "P1 parity", "B1 the online update used gradient_mode 'response_only', "
