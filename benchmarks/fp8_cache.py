@@ -156,32 +156,54 @@ def cache_bytes_2m(devices: int = 8) -> dict:
     return out
 
 
-def gradient_agreement() -> dict:
-    """LoRA gradients (cosine, relative L2) and new log-probs (max |d|) of the FP8 option against "auto"."""
+def gradient_case():
+    """The small gradient case the FP8 benchmarks compare on (this one and indexer_fp8.py): a 4-layer tiny model with
+    IndexShare, a 40-token prompt and 2 responses of 6 tokens. Returns (cfg, batch for lora_gradients)."""
     from glm52_jax import config
-    from glm52_jax.model.lora import LoRA, LoRAConfig
-    from glm52_jax.model.options import ModelOptions
-    from glm52_jax.model.transformer import GlmMoeDsa
-    from glm52_jax.rl.gradients import lora_gradients
 
     cfg = config.tiny(num_hidden_layers=4, indexer_types=("full", "full", "shared", "shared"))
     rng = np.random.default_rng(0)
     prompt, responses = rng.integers(0, 512, 40).astype(np.int32), rng.integers(0, 512, (2, 6)).astype(np.int32)
     batch = dict(prompt=prompt, responses=responses, response_mask=np.ones((2, 6), np.float32),
                  old_logprobs=np.zeros((2, 6), np.float32), advantages=np.array([1.0, -0.7], np.float32))
+    return cfg, batch
+
+
+def variant_gradients(options: dict, modes: tuple[str, ...]) -> dict:
+    """{(variant, mode): lora_gradients result} on `gradient_case()`, one model per variant of `options`
+    ({name: ModelOptions}), every adapter (A and B) the same random values in each, so every adapter has a gradient."""
+    from glm52_jax.model.lora import LoRA
+    from glm52_jax.model.transformer import GlmMoeDsa
+    from glm52_jax.rl.gradients import lora_gradients
+
+    cfg, batch = gradient_case()
     results = {}
-    for cache_dtype in ("auto", FP8):
-        opts = ModelOptions(param_dtype=jnp.float32, lora=LoRAConfig(rank=4, alpha=8.0), cache_dtype=cache_dtype)
+    for name, opts in options.items():
         model = GlmMoeDsa(cfg, opts, rngs=nnx.Rngs(0))
-        leaves, treedef = jax.tree.flatten(nnx.state(model, LoRA))  # B random too: every adapter gets a gradient
+        leaves, treedef = jax.tree.flatten(nnx.state(model, LoRA))
         nnx.update(model, jax.tree.unflatten(treedef, [jax.random.normal(jax.random.key(i), x.shape, x.dtype) * 0.05
                                                        for i, x in enumerate(leaves)]))
-        for mode in ("response_only", "shared_prefix"):
-            results[cache_dtype, mode] = lora_gradients(model, **batch, mode=mode)
+        for mode in modes:
+            results[name, mode] = lora_gradients(model, **batch, mode=mode)
+    return results
+
+
+def flat_grads(result) -> np.ndarray:
+    """A lora_gradients result's gradients as one float64 vector."""
+    return np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(result.grads)])
+
+
+def gradient_agreement() -> dict:
+    """LoRA gradients (cosine, relative L2) and new log-probs (max |d|) of the FP8 option against "auto"."""
+    from glm52_jax.model.lora import LoRAConfig
+    from glm52_jax.model.options import ModelOptions
+
+    modes = ("response_only", "shared_prefix")
+    results = variant_gradients({d: ModelOptions(param_dtype=jnp.float32, lora=LoRAConfig(rank=4, alpha=8.0),
+                                                 cache_dtype=d) for d in ("auto", FP8)}, modes)
     out = {}
-    for mode in ("response_only", "shared_prefix"):
-        a, b = (np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(results[d, mode].grads)])
-                for d in ("auto", FP8))
+    for mode in modes:
+        a, b = (flat_grads(results[d, mode]) for d in ("auto", FP8))
         logp = np.abs(np.asarray(results["auto", mode].logprobs) - np.asarray(results[FP8, mode].logprobs)).max()
         out[mode] = {"cosine": round(float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)), 6),
                      "rel_l2": float(np.linalg.norm(a - b) / np.linalg.norm(a)), "logprob_abs": float(logp)}

@@ -140,29 +140,15 @@ def wide(num_keys: int, queries: int = 64, seed: int = 0) -> dict:
 
 
 def parity() -> dict:
-    from glm52_jax import config
-    from glm52_jax.model.lora import LoRA, LoRAConfig
+    from benchmarks.fp8_cache import flat_grads, variant_gradients
+    from glm52_jax.model.lora import LoRAConfig
     from glm52_jax.model.options import ModelOptions
-    from glm52_jax.model.transformer import GlmMoeDsa
-    from glm52_jax.rl.gradients import lora_gradients
 
-    cfg = config.tiny(num_hidden_layers=4, indexer_types=("full", "full", "shared", "shared"))
-    rng = np.random.default_rng(0)
-    prompt, responses = rng.integers(0, 512, 40).astype(np.int32), rng.integers(0, 512, (2, 6)).astype(np.int32)
-    batch = dict(prompt=prompt, responses=responses, response_mask=np.ones((2, 6), np.float32),
-                 old_logprobs=np.zeros((2, 6), np.float32), advantages=np.array([1.0, -0.7], np.float32))
-    grads = {}
-    for dtype in ("bf16", "fp8"):
-        opts = ModelOptions(param_dtype=jnp.float32, indexer_query_block=16, indexer_key_block=16,
-                            attention_query_block=8, lora=LoRAConfig(rank=4, alpha=8.0), indexer_dtype=dtype)
-        model = GlmMoeDsa(cfg, opts, rngs=nnx.Rngs(0))
-        leaves, treedef = jax.tree.flatten(nnx.state(model, LoRA))  # B random too: every adapter gets a gradient
-        nnx.update(model, jax.tree.unflatten(treedef, [jax.random.normal(jax.random.key(i), x.shape, x.dtype) * 0.05
-                                                       for i, x in enumerate(leaves)]))
-        for mode in ("conventional", "shared_prefix"):
-            result = lora_gradients(model, **batch, mode=mode)
-            grads[dtype, mode] = np.concatenate([np.asarray(x, np.float64).ravel()
-                                                 for x in jax.tree.leaves(result.grads)])
+    options = {d: ModelOptions(param_dtype=jnp.float32, indexer_query_block=16, indexer_key_block=16,
+                               attention_query_block=8, lora=LoRAConfig(rank=4, alpha=8.0), indexer_dtype=d)
+               for d in ("bf16", "fp8")}
+    grads = {key: flat_grads(result)
+             for key, result in variant_gradients(options, ("conventional", "shared_prefix")).items()}
 
     def compare(a, b):
         return {"rel_l2": float(np.linalg.norm(a - b) / np.linalg.norm(b)),
