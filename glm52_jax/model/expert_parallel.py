@@ -48,6 +48,16 @@ Two transports (`impl`):
   The passes are a `lax.while_loop` (data-dependent trip count) with a custom VJP that loops the
   per-pass VJPs the same way (`_sum_of_passes`).
 
+Software pipelining (`exchange_blocks`, default 2): each pass's exchange goes in windows (the pass's rows per
+destination split into consecutive slices), and window b+1's rows are sent before window b's experts run, and
+window b's results go back before window b+1's experts run (`_pipelined_pass`). XLA:GPU compiles every
+all-to-all as an async start/done pair and keeps one in flight at a time; its scheduler places the other
+window's expert matmuls between them, so the exchange of one window overlaps the experts of another (checked
+on the deviceless H20 compile by tests/plan/test_ep_overlap.py). The local expert ids ride along as one more
+column of the rows (exact small numbers in the activation dtype) rather than in a second collective, which would
+queue between a window's rows and the next window's. Windows never go under MIN_CHUNK_ROWS rows per
+destination. Results do not depend on the window count (each pair lies in exactly one window).
+
 Any token count runs expert-parallel (`pad_tokens`): a decode step's few tokens are padded with
 zero-weight tokens to one per token shard, so a device's tokens travel to the experts' owners and
 back and no device ever gathers the expert weights (GSPMD placing `experts_ragged` on sharded
@@ -192,39 +202,104 @@ def _sum_of_passes(term, count, diff, ints):
 
 
 def _dense_body(x, weights, experts, w_gate, w_up, w_down, lora_ab, *, lora_scales, axis, n_dev, kernels,
-                receive_capacity=0.0):
+                receive_capacity=0.0, exchange_blocks=2):
     """Per-device body of the fixed-size `all_to_all` transport (see the module docstring): chunks of c rows
     per destination, c = L*K (the worst case, one pass) or `ceil(receive_capacity * L*K / N)` (balanced routing
     sends each destination L*K/N rows on average); pass p carries rows [p*c, (p+1)*c) of every (source,
-    destination) chunk, as many passes as the fullest chunk on any device needs (`_sum_of_passes`)."""
+    destination) chunk, as many passes as the fullest chunk on any device needs (`_sum_of_passes`). A pass
+    exchanges its chunk in `exchange_blocks` windows of h = c/blocks rows (`_blocks`), software-pipelined."""
     tokens, k = experts.shape
     n_local = w_gate.shape[0]
     rows = tokens * k
     cap = rows if receive_capacity == 0 else min(rows, max(MIN_CHUNK_ROWS, math.ceil(receive_capacity * rows / n_dev)))
+    blocks = _blocks(cap, exchange_blocks, MIN_CHUNK_ROWS)
+    h = -(-cap // blocks)  # rows per destination of one window; blocks x h >= cap
     order, dest, slot, counts, _, local = _dispatch_plan(experts, n_local, n_dev)
     token_of = order // k
 
-    def one_pass(p, diff, ints):
-        xs, w_gate, w_up, w_down, lora_ab = diff
+    def dispatch(q, xs, ints):
+        """Window q's rows out to their experts' owners -> (received rows [N*h,D], their local ids [N*h], window)."""
         dest, slot, local = ints
-        # Row j of this pass's chunk for d; rows outside the window go to the out-of-range slot `cap` (dropped).
+        # Row j of window q's chunk for d; rows outside the window go to the out-of-range slot `h` (dropped).
         # Unused slots keep the padding id El. all_to_all: chunk n of the sender's axis 0 goes to device n; the
         # receiver stacks the chunks by source, so recv[s] is what device s sent here.
-        window = jnp.where((slot >= p * cap) & (slot < (p + 1) * cap), slot - p * cap, cap)
-        send = jnp.zeros((n_dev, cap, xs.shape[-1]), xs.dtype).at[dest, window].set(xs, mode="drop")
-        send_ids = jnp.full((n_dev, cap), n_local, jnp.int32).at[dest, window].set(local, mode="drop")
-        recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)
-        recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0, tiled=True)
-        y = _local_experts(recv.reshape(n_dev * cap, -1), recv_ids.reshape(-1), n_local, w_gate, w_up, w_down,
-                           _with_scales(lora_ab, lora_scales), kernels, rows).astype(xs.dtype)
-        # Every result back to the slot it came from; back[d, c] answers send[d, c].
-        back = jax.lax.all_to_all(y.reshape(n_dev, cap, -1), axis, 0, 0, tiled=True)
-        return jnp.where((window < cap)[:, None], back[dest, jnp.minimum(window, cap - 1)], 0)
+        window = jnp.where((slot >= q * h) & (slot < (q + 1) * h), slot - q * h, h)
+        send = jnp.zeros((n_dev, h, xs.shape[-1]), xs.dtype).at[dest, window].set(xs, mode="drop")
+        send_ids = jnp.full((n_dev, h), n_local, jnp.int32).at[dest, window].set(local, mode="drop")
+        if _ids_ride_along(xs.dtype, n_local):
+            recv, recv_ids = _unpack(jax.lax.all_to_all(_pack(send, send_ids), axis, 0, 0, tiled=True))
+        else:
+            recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)
+            recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0, tiled=True)
+        return recv.reshape(n_dev * h, -1), recv_ids.reshape(-1), window
 
-    passes = jnp.maximum(1, (jax.lax.pmax(jnp.max(counts), axis) + cap - 1) // cap).astype(jnp.int32)
-    back = _exchange(one_pass, passes, cap == rows, (x[token_of], w_gate, w_up, w_down, lora_ab),
+    def combine(y, window, ints):
+        """Window results `y: [N*h,D]` back to the slots they came from -> [L*K,D], zeros outside the window."""
+        dest = ints[0]
+        back = jax.lax.all_to_all(y.reshape(n_dev, h, -1), axis, 0, 0, tiled=True)  # back[d, c] answers send[d, c]
+        return jnp.where((window < h)[:, None], back[dest, jnp.minimum(window, h - 1)], 0)
+
+    one_pass = _pipelined_pass(dispatch, combine, blocks, n_local, lora_scales, kernels, rows)
+    passes = jnp.maximum(1, (jax.lax.pmax(jnp.max(counts), axis) + blocks * h - 1) // (blocks * h)).astype(jnp.int32)
+    back = _exchange(one_pass, passes, blocks * h >= rows, (x[token_of], w_gate, w_up, w_down, lora_ab),
                      (dest, slot, local))
     return _combine(back, weights, order, token_of, tokens)
+
+
+def _blocks(capacity: int, wanted: int, floor: int) -> int:
+    """Windows a pass's exchange is split into: `wanted`, fewer where a window would fall under `floor` rows per
+    destination (below it an exchange is all latency: a decode step's few rows stay one exchange)."""
+    return max(1, min(wanted, capacity // floor))
+
+
+def _ids_ride_along(dtype, n_local: int) -> bool:
+    """Whether local expert ids 0..El travel as one more column of the rows (exact in `dtype`): one collective
+    per window instead of two (XLA:GPU keeps one all-to-all in flight at a time, so a separate ids exchange would
+    queue between a window's rows and the next window's)."""
+    return jnp.issubdtype(dtype, jnp.floating) and n_local <= 2 ** (jnp.finfo(dtype).nmant + 1)
+
+
+def _pack(rows: jax.Array, ids: jax.Array) -> jax.Array:
+    """`rows: [...,D]`, `ids: [...]` int -> `[...,D+1]` in the rows' dtype (the ids as exact small numbers)."""
+    return jnp.concatenate([rows, ids[..., None].astype(rows.dtype)], axis=-1)
+
+
+def _unpack(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Inverse of `_pack`: `[...,D+1]` -> (rows `[...,D]`, ids `[...]` int32)."""
+    return packed[..., :-1], packed[..., -1].astype(jnp.int32)
+
+
+def _pipelined_pass(dispatch, combine, blocks: int, n_local: int, lora_scales, kernels, rows_hint):
+    """One pass as `blocks` windows q = p*blocks + b, software-pipelined: window b+1's dispatch is issued before
+    window b's experts run, so the exchange of one window is in flight while the experts of the other compute
+    (XLA:GPU runs all-to-all asynchronously, start/done, and its scheduler places independent expert work between
+    them). Each pair lies in exactly one window, so the windows' results add up to the pass's without rounding.
+
+    dispatch(q, xs, ints) -> (received rows, local ids, state); combine(y, state, ints) -> [L*K,D] (activation
+    dtype, zeros for the pairs outside window q)."""
+
+    def one_pass(p, diff, ints):
+        xs, weights = diff[0], diff[1:]
+
+        def experts(recv, recv_ids):
+            # The barrier ties this window's weights to its received rows: otherwise XLA's dot merger fuses the
+            # windows' matmuls (they share the weights) into one that waits for every window's exchange.
+            recv, recv_ids, (w_gate, w_up, w_down, lora_ab) = jax.lax.optimization_barrier((recv, recv_ids, weights))
+            # Results go back in the activations' dtype (bf16 payload on the real run).
+            return _local_experts(recv, recv_ids, n_local, w_gate, w_up, w_down, _with_scales(lora_ab, lora_scales),
+                                  kernels, rows_hint).astype(xs.dtype)
+
+        inflight = dispatch(p * blocks, xs, ints)
+        total = None
+        for b in range(blocks):
+            recv, recv_ids, state = inflight
+            if b + 1 < blocks:  # the next window's rows leave before this window's experts start
+                inflight = dispatch(p * blocks + b + 1, xs, ints)
+            out = combine(experts(recv, recv_ids), state, ints)
+            total = out if total is None else total + out
+        return total
+
+    return one_pass
 
 
 def _pass_windows(counts_all: jax.Array, p, capacity: int):
@@ -244,8 +319,9 @@ def _pass_windows(counts_all: jax.Array, p, capacity: int):
 
 
 def _ragged_body(x, weights, experts, w_gate, w_up, w_down, lora_ab, *, lora_scales, axis, n_dev, kernels,
-                 receive_capacity=0.0):
-    """Per-device body of the `ragged_all_to_all` path (GPU; XLA:CPU cannot compile it)."""
+                 receive_capacity=0.0, exchange_blocks=2):
+    """Per-device body of the `ragged_all_to_all` path (GPU; XLA:CPU cannot compile it). A pass's receive
+    window is exchanged in `exchange_blocks` windows of capacity/blocks rows, software-pipelined (`_pipelined_pass`)."""
     tokens, k = experts.shape
     n_local = w_gate.shape[0]
     rows = tokens * k
@@ -256,31 +332,37 @@ def _ragged_body(x, weights, experts, w_gate, w_up, w_down, lora_ab, *, lora_sca
     worst = n_dev * rows  # every device's pairs come here
     capacity = worst if receive_capacity == 0 else min(worst, max(n_dev * MIN_CHUNK_ROWS,
                                                                   math.ceil(receive_capacity * rows)))
+    blocks = _blocks(capacity, exchange_blocks, n_dev * MIN_CHUNK_ROWS)
+    h = -(-capacity // blocks)  # rows one window receives; blocks x h >= capacity
 
-    def one_pass(p, diff, ints):
-        xs, w_gate, w_up, w_down, lora_ab = diff
+    def dispatch(q, xs, ints):
         local, counts_all = ints
         me = jax.lax.axis_index(axis)
         # starts_all[s, d]: the first row of s's chunk for d in s's expert-sorted rows.
         starts_all = jnp.cumsum(counts_all, axis=1) - counts_all
-        size, skip, landing = _pass_windows(counts_all, p, capacity)
+        size, skip, landing = _pass_windows(counts_all, q, h)
         send_sizes, send_from, send_to = size[me], starts_all[me] + skip[me], landing[me]  # [N] by destination
         recv_sizes, recv_at = size[:, me], landing[:, me]  # [N] by source
-        recv = jax.lax.ragged_all_to_all(xs, jnp.zeros((capacity, xs.shape[-1]), xs.dtype), send_from, send_sizes,
-                                         send_to, recv_sizes, axis_name=axis)
-        recv_ids = jax.lax.ragged_all_to_all(local, jnp.full((capacity,), n_local, jnp.int32), send_from,
-                                             send_sizes, send_to, recv_sizes, axis_name=axis)
-        # Results go back in the activations' dtype (bf16 payload on the real run).
-        y = _local_experts(recv, recv_ids, n_local, w_gate, w_up, w_down, _with_scales(lora_ab, lora_scales),
-                           kernels, rows).astype(xs.dtype)
+        out, out_ids = jnp.zeros((h, xs.shape[-1]), xs.dtype), jnp.full((h,), n_local, jnp.int32)
+        if _ids_ride_along(xs.dtype, n_local):
+            recv, recv_ids = _unpack(jax.lax.ragged_all_to_all(_pack(xs, local), _pack(out, out_ids), send_from,
+                                                               send_sizes, send_to, recv_sizes, axis_name=axis))
+        else:
+            recv = jax.lax.ragged_all_to_all(xs, out, send_from, send_sizes, send_to, recv_sizes, axis_name=axis)
+            recv_ids = jax.lax.ragged_all_to_all(local, out_ids, send_from, send_sizes, send_to, recv_sizes,
+                                                 axis_name=axis)
         # Reverse: the rows received from s go back to s, where they were taken from there.
-        back_to = starts_all[:, me] + skip[:, me]
+        return recv, recv_ids, (recv_at, recv_sizes, starts_all[:, me] + skip[:, me], send_sizes)
+
+    def combine(y, state, ints):
+        recv_at, recv_sizes, back_to, send_sizes = state
         return jax.lax.ragged_all_to_all(y, jnp.zeros((rows, y.shape[-1]), y.dtype), recv_at, recv_sizes, back_to,
                                          send_sizes, axis_name=axis)
 
+    one_pass = _pipelined_pass(dispatch, combine, blocks, n_local, lora_scales, kernels, rows)
     most = jnp.max(jnp.sum(counts_all, axis=0))  # the busiest destination's rows
-    passes = jnp.maximum(1, (most + capacity - 1) // capacity).astype(jnp.int32)
-    back = _exchange(one_pass, passes, capacity == worst, (x[token_of], w_gate, w_up, w_down, lora_ab),
+    passes = jnp.maximum(1, (most + blocks * h - 1) // (blocks * h)).astype(jnp.int32)
+    back = _exchange(one_pass, passes, blocks * h >= worst, (x[token_of], w_gate, w_up, w_down, lora_ab),
                      (local, counts_all))
     return _combine(back, weights, order, token_of, tokens)
 
@@ -289,7 +371,7 @@ def experts_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax
                w_down: jax.Array, lora: ExpertAdapters | None = None, *,
                mesh=None, expert_axis: str | None = None, token_axes: Sequence[str] | None = None,
                impl: str = "dense", token_block: int | None = None, kernels: str = "reference",
-               receive_capacity: float = 0.0) -> jax.Array:
+               receive_capacity: float = 0.0, exchange_blocks: int = 2) -> jax.Array:
     """Expert-parallel `experts_ragged`: `x: [T,D], weights/experts: [T,K]`, `w_*: [E,D,I] / [E,I,D]` -> [T,D] f32.
 
     `lora`: None or the (gate, up, down) routed-expert `Adapter`s (A [E,in,r], B [E,r,out]).
@@ -302,6 +384,9 @@ def experts_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax
     blocks; None: all at once). The exchange buffers scale with it, not with the device's tokens.
     `receive_capacity`: the ragged transport's receive buffer in multiples of the rows a device sends
     per round (0: the worst case, N times; see the module docstring); dropless either way.
+    `exchange_blocks`: windows each pass's exchange is split into, so one window's all-to-all is in flight while
+    another's experts compute (1: one synchronous exchange per pass; fewer where a window would fall under
+    MIN_CHUNK_ROWS rows per destination). Results do not depend on it.
     """
     if mesh is None:
         mesh = jax.sharding.get_abstract_mesh()
@@ -327,6 +412,8 @@ def experts_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax
         raise ValueError(f"impl: expected one of {MOE_TRANSPORTS}, got {impl!r}")
     if impl == "auto":
         impl = "ragged" if targets_gpu() else "dense"
+    if exchange_blocks < 1:
+        raise ValueError(f"exchange_blocks: expected >= 1 (1 = no overlap), got {exchange_blocks!r}")
     if receive_capacity != 0 and receive_capacity < 1:
         raise ValueError(f"receive_capacity: expected 0 (worst case) or >= 1, got {receive_capacity!r}")
 
@@ -341,7 +428,8 @@ def experts_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax
     def per_device(x, weights, experts, w_gate, w_up, w_down, lora_ab):
         def run(x, weights, experts):
             return body(x, weights, experts, w_gate, w_up, w_down, lora_ab, lora_scales=lora_scales, axis=expert_axis,
-                        n_dev=n_dev, kernels=kernels, receive_capacity=receive_capacity)
+                        n_dev=n_dev, kernels=kernels, receive_capacity=receive_capacity,
+                        exchange_blocks=exchange_blocks)
 
         local = x.shape[0]
         if token_block is None or local <= token_block:

@@ -6,6 +6,8 @@ LoRA A/B); shardings (each device holds E/N experts).
 """
 
 import functools
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -231,8 +233,8 @@ def test_ragged_path_lowers_for_cuda():
     with rules.axis_rules(MESHES["folded8"][0].rules()), jax.sharding.use_abstract_mesh(amesh):
         exported = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 3))), platforms=["cuda"],
                                      disabled_checks=checks)(*args)
-    # 3 forward (rows, ids, results back) + the transposes of the two float ones.
-    assert exported.mlir_module().count("custom_call @ragged_all_to_all") >= 5
+    # 2 forward (rows with their local expert ids as one more column, results back) + their transposes.
+    assert exported.mlir_module().count("custom_call @ragged_all_to_all") == 4
 
 
 def test_grouped_matmul_kernel_inside_the_shard_map():
@@ -247,8 +249,9 @@ def test_bounded_receive_buffer_passes(monkeypatch, impl, name, k, skewed, capac
     """A receive buffer of `capacity` x the rows a device sends (ragged; dense: capacity x rows / N per
     destination chunk): the rows beyond it go in further passes (skewed: every pair to one device; 1.25x windows
     split the sources' chunks across passes), outputs and gradients as `experts_ragged`, and the jaxpr's buffers
-    have the bounded shape, not the worst case's. (The floor of MIN_CHUNK_ROWS rows per destination, which keeps
-    a few tokens' rounds in one pass, is lifted: these rounds are that small.)"""
+    have the bounded shape (halved: two pipelined windows per pass), not the worst case's. (The floor of
+    MIN_CHUNK_ROWS rows per destination, which keeps a few tokens' rounds in one pass, is lifted: these rounds
+    are that small.)"""
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", _ragged_all_to_all_by_gather)
     monkeypatch.setattr(expert_parallel, "MIN_CHUNK_ROWS", 1)
     prob = _problem(k, skewed, seed=13)
@@ -260,9 +263,52 @@ def test_bounded_receive_buffer_passes(monkeypatch, impl, name, k, skewed, capac
     with rules.axis_rules(spec.rules()), jax.set_mesh(mesh):
         jaxpr = str(jax.make_jaxpr(ep)(prob["x"], prob["weights"], prob["experts"], *prob["w"]))
     n_dev = mesh.shape[axis]
+    # Each pass goes in two pipelined windows of half its buffer; a window's rows carry their local expert ids
+    # as one more column (D + 1).
     if impl == "ragged":
-        assert f"f32[{int(capacity * rows)},{D}]" in jaxpr and f"f32[{n_dev * rows},{D}]" not in jaxpr
+        window = math.ceil(capacity * rows / 2)
+        assert f"f32[{window},{D + 1}]" in jaxpr and f"f32[{n_dev * rows},{D}]" not in jaxpr
     else:
-        chunk = -(-int(capacity * rows) // n_dev)
-        assert f"f32[{n_dev},{chunk},{D}]" in jaxpr and f"f32[{n_dev},{rows},{D}]" not in jaxpr
+        chunk = math.ceil(capacity * rows / n_dev)
+        window = math.ceil(chunk / 2)
+        assert f"f32[{n_dev},{window},{D + 1}]" in jaxpr and f"f32[{n_dev},{rows},{D}]" not in jaxpr
     assert "while" in jaxpr
+
+
+def _exchange_order(jaxpr: str) -> str:
+    """The all_to_alls (A) and grouped matmuls (M, runs merged) of a jaxpr's text, in program order."""
+    ops = "".join("A" if op == "all_to_all" else "M" for op in re.findall(r"\b(all_to_all|ragged_dot_general)\[",
+                                                                          jaxpr))
+    return re.sub("M+", "M", ops)
+
+
+@pytest.mark.parametrize("blocks,order", [(2, "AAMAMA"), (3, "AAMAAMAMA"), (1, "AMA")])
+def test_next_window_leaves_before_the_experts_run(blocks, order):
+    """The pipelined pass's program order: window b+1's rows are sent (all_to_all) before window b's experts run,
+    and window b's results go back before window b+1's experts run; rows (with their ids as one more column) and
+    results travel in the activations' dtype, bf16 here. XLA:GPU keeps that order as async start/done pairs
+    around the expert matmuls (tests/plan/test_ep_overlap.py compiles it deviceless)."""
+    prob = _problem(6, False)
+    spec, _, _ = MESHES["folded8"]
+    x = prob["x"].astype(jnp.bfloat16)
+    w = tuple(a.astype(jnp.bfloat16) for a in prob["w"])
+    with rules.axis_rules(spec.rules()), jax.set_mesh(spec.make()):
+        jaxpr = str(jax.make_jaxpr(functools.partial(experts_ep, exchange_blocks=blocks, receive_capacity=0))(
+            x, prob["weights"], prob["experts"], *w))
+    assert _exchange_order(jaxpr) == order
+    payloads = re.findall(r"(\w+)\[[\d,]+\] = all_to_all\[", jaxpr)
+    assert payloads == ["bf16"] * order.count("A")
+    # 8 tokens x 6 = 48 pairs per device, no capacity bound: a window holds 48 / blocks rows per destination.
+    assert f"bf16[8,{48 // blocks},{D + 1}] = all_to_all[" in jaxpr
+
+
+def test_exchange_blocks_fall_back_below_the_chunk_floor():
+    """Windows never go under MIN_CHUNK_ROWS rows per destination (a decode step's few rows stay one exchange);
+    a bad count is one line naming the argument."""
+    assert expert_parallel._blocks(128, 2, 16) == 2
+    assert expert_parallel._blocks(16, 2, 16) == 1
+    assert expert_parallel._blocks(40, 4, 16) == 2
+    prob = _problem(2, False)
+    with pytest.raises(ValueError, match="exchange_blocks: expected >= 1"):
+        with jax.set_mesh(MESHES["folded8"][0].make()), rules.axis_rules(MESHES["folded8"][0].rules()):
+            experts_ep(prob["x"], prob["weights"], prob["experts"], *prob["w"], exchange_blocks=0)
