@@ -109,7 +109,8 @@ def _lines(result: dict[str, Any]) -> list[str]:
         lines.append(f"{name:<24} {row['seconds']:10.4g} {row['launches']:12,.0f} {row['flops'] / 1e12:10.4g} "
                      f"{row['bytes'] / 1e9:10.4g}")
     for name, row in sorted(b["collectives"].items(), key=lambda kv: -kv[1]["seconds"]):
-        lines.append(f"{name:<24} {row['seconds']:10.4g} {row['count']:12,.0f}")
+        hidden = f" (+{row['hidden_s']:.4g} s hidden behind kernels)" if row.get("hidden_s") else ""
+        lines.append(f"{name:<24} {row['seconds']:10.4g} {row['count']:12,.0f}{hidden}")
     return lines
 
 

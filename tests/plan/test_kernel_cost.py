@@ -174,3 +174,59 @@ def test_kernels_know_the_data_dependent_loop_they_run_in():
     assert loops == {"v2": CAUSAL_KEY_LOOP, "k": CAUSAL_KEY_LOOP, "r": None}
     out = kernel_cost.estimate(work, RATES)
     assert out["in_loops"] == {CAUSAL_KEY_LOOP: {"memory": pytest.approx(21e-6)}}
+
+
+# Async all-to-alls of bf16[8,1024,256] (R = 4,194,304 B) over 8 GPUs on 2 hosts around the GEMM of MODULE
+# (536.87 us) and an elementwise fusion (1 us floor); `{order}` is the ENTRY's schedule.
+ASYNC_MODULE = MODULE.split("ENTRY")[0] + """ENTRY %main (a: bf16[512,256], b: bf16[256,1024], v: f32[1024], x: bf16[8,1024,256]) -> bf16[512,1024] {
+  %a = bf16[512,256]{1,0} parameter(0)
+  %b = bf16[256,1024]{1,0} parameter(1)
+  %v = f32[1024]{0} parameter(2)
+  %x = bf16[8,1024,256]{2,1,0} parameter(3)
+{order}
+}
+"""
+_START = "  %{n} = ((bf16[8,1024,256]{{2,1,0}}), bf16[8,1024,256]{{2,1,0}}) all-to-all-start(%x), replica_groups=[1,8]<=[8], dimensions={{0}}\n"
+_DONE = "  %{n} = bf16[8,1024,256]{{2,1,0}} all-to-all-done(%{s})\n"
+_GEMM = "  %r = bf16[512,1024]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_dot\n"
+_ADD = "  %v2 = f32[1024]{0} fusion(%v), kind=kLoop, calls=%fused_add\n"
+# One all-to-all: network R(h-1)... R(n-g)/n = 2,097,152 B at 5e9, NVLink R(g-1)/n = 1,572,864 B at 1e11, + 30 us.
+EXCHANGE = 2_097_152 / 5e9 + 1_572_864 / 1e11 + 3e-5  # 465.2 us
+GEMM = 268_435_456 / 5e11  # 536.9 us
+
+
+def _async(*parts):
+    order = "".join(_START.format(n=p) if p.startswith("s") else _DONE.format(n=p, s="s" + p[1:])
+                    if p.startswith("d") else {"gemm": _GEMM, "add": _ADD}[p] for p in parts)
+    return ASYNC_MODULE.replace("{order}", order.rstrip("\n"))
+
+
+def test_an_async_exchange_around_kernels_costs_the_max():
+    """Kernels scheduled between an all-to-all's start and done hide it (max(exchange, kernels), not the sum);
+    each kernel's time hides one exchange at most; an exchange with nothing between adds in full; the
+    pessimistic scenario (overlap=False) keeps the sums."""
+    # Pair 1 around the GEMM (hides it all: 465 < 537 us); pair 2 around the 1 us elementwise kernel; pair 3 empty.
+    work = kernel_cost.Program(_async("s1", "gemm", "d1", "s2", "add", "d2", "s3", "d3"), HOSTS).work({})
+    assert [(o.collective, [work.kernels[k].name for k in o.kernels]) for o in work.overlaps] == [
+        (0, ["r"]), (1, ["v2"])]
+    out = kernel_cost.estimate(work, RATES)
+    a2a = out["collectives"]["all-to-all"]
+    assert a2a["count"] == 3
+    assert a2a["hidden_s"] == pytest.approx(EXCHANGE + 1e-6)
+    assert a2a["seconds"] == pytest.approx(3 * EXCHANGE - EXCHANGE - 1e-6)
+    assert out["seconds"] == pytest.approx(max(GEMM, EXCHANGE) + max(1e-6, EXCHANGE) + EXCHANGE)
+    summed = kernel_cost.estimate(work, RATES, overlap=False)
+    assert summed["collectives"]["all-to-all"]["hidden_s"] == 0
+    assert summed["seconds"] == pytest.approx(GEMM + 1e-6 + 3 * EXCHANGE)
+    # Two exchanges in flight around one GEMM: the first takes 465 us of it, the second the 72 us left.
+    nested = kernel_cost.estimate(kernel_cost.Program(_async("s1", "s2", "gemm", "d1", "d2"), HOSTS).work({}), RATES)
+    assert nested["collectives"]["all-to-all"]["hidden_s"] == pytest.approx(GEMM)
+    assert nested["seconds"] == pytest.approx(2 * EXCHANGE)
+    # The central and optimistic scenarios credit the overlap, the pessimistic one does not.
+    table = load_table()
+    program = kernel_cost.Program(_async("s1", "gemm", "d1"), HOSTS)
+    out = kernel_cost.estimate_program(program, table, "h200", {}, PASS_LOOP)
+    for scenario in ("central", "pessimistic"):
+        expect = kernel_cost.estimate(program.work({}), table.rates("h200", scenario), overlap=scenario == "central")
+        assert out[f"{scenario}_s"] == pytest.approx(expect["seconds"])
+    assert out["breakdown"]["collectives"]["all-to-all"]["hidden_s"] > 0
