@@ -207,23 +207,26 @@ def _dense_body(x, weights, experts, w_gate, w_up, w_down, lora_ab, *, lora_scal
     per destination, c = L*K (the worst case, one pass) or `ceil(receive_capacity * L*K / N)` (balanced routing
     sends each destination L*K/N rows on average); pass p carries rows [p*c, (p+1)*c) of every (source,
     destination) chunk, as many passes as the fullest chunk on any device needs (`_sum_of_passes`). A pass
-    exchanges its chunk in `exchange_blocks` windows of h = c/blocks rows (`_blocks`), software-pipelined."""
+    exchanges its chunk in `exchange_blocks` windows of h = c/blocks rows (`_blocks`), software-pipelined; window b
+    takes every blocks-th slot from b, so a chunk that fills only part of the pass splits evenly over the windows."""
     tokens, k = experts.shape
     n_local = w_gate.shape[0]
     rows = tokens * k
     cap = rows if receive_capacity == 0 else min(rows, max(MIN_CHUNK_ROWS, math.ceil(receive_capacity * rows / n_dev)))
     blocks = _blocks(cap, exchange_blocks, MIN_CHUNK_ROWS)
-    h = -(-cap // blocks)  # rows per destination of one window; blocks x h >= cap
+    h = -(-cap // blocks)  # rows per destination of one window
+    span = blocks * h  # slots of each chunk one pass carries (>= cap)
     order, dest, slot, counts, _, local = _dispatch_plan(experts, n_local, n_dev)
     token_of = order // k
 
-    def dispatch(q, xs, ints):
-        """Window q's rows out to their experts' owners -> (received rows [N*h,D], their local ids [N*h], window)."""
+    def dispatch(p, b, xs, ints):
+        """Window b of pass p out to the experts' owners -> (received rows [N*h,D], their local ids [N*h], window)."""
         dest, slot, local = ints
-        # Row j of window q's chunk for d; rows outside the window go to the out-of-range slot `h` (dropped).
-        # Unused slots keep the padding id El. all_to_all: chunk n of the sender's axis 0 goes to device n; the
-        # receiver stacks the chunks by source, so recv[s] is what device s sent here.
-        window = jnp.where((slot >= q * h) & (slot < (q + 1) * h), slot - q * h, h)
+        # Row j of window b's chunk for d is slot p*span + j*blocks + b; rows outside the window go to the
+        # out-of-range row `h` (dropped). Unused rows keep the padding id El. all_to_all: chunk n of the sender's
+        # axis 0 goes to device n; the receiver stacks the chunks by source, so recv[s] is what device s sent here.
+        at = slot - p * span
+        window = jnp.where((at >= 0) & (at < span) & (at % blocks == b), at // blocks, h)
         send = jnp.zeros((n_dev, h, xs.shape[-1]), xs.dtype).at[dest, window].set(xs, mode="drop")
         send_ids = jnp.full((n_dev, h), n_local, jnp.int32).at[dest, window].set(local, mode="drop")
         if _ids_ride_along(xs.dtype, n_local):
@@ -239,9 +242,9 @@ def _dense_body(x, weights, experts, w_gate, w_up, w_down, lora_ab, *, lora_scal
         back = jax.lax.all_to_all(y.reshape(n_dev, h, -1), axis, 0, 0, tiled=True)  # back[d, c] answers send[d, c]
         return jnp.where((window < h)[:, None], back[dest, jnp.minimum(window, h - 1)], 0)
 
-    one_pass = _pipelined_pass(dispatch, combine, blocks, n_local, lora_scales, kernels, rows)
-    passes = jnp.maximum(1, (jax.lax.pmax(jnp.max(counts), axis) + blocks * h - 1) // (blocks * h)).astype(jnp.int32)
-    back = _exchange(one_pass, passes, blocks * h >= rows, (x[token_of], w_gate, w_up, w_down, lora_ab),
+    one_pass = _pipelined_pass(dispatch, combine, blocks, n_local, lora_scales, kernels, -(-rows // blocks))
+    passes = jnp.maximum(1, (jax.lax.pmax(jnp.max(counts), axis) + span - 1) // span).astype(jnp.int32)
+    back = _exchange(one_pass, passes, span >= rows, (x[token_of], w_gate, w_up, w_down, lora_ab),
                      (dest, slot, local))
     return _combine(back, weights, order, token_of, tokens)
 
@@ -275,8 +278,8 @@ def _pipelined_pass(dispatch, combine, blocks: int, n_local: int, lora_scales, k
     (XLA:GPU runs all-to-all asynchronously, start/done, and its scheduler places independent expert work between
     them). Each pair lies in exactly one window, so the windows' results add up to the pass's without rounding.
 
-    dispatch(q, xs, ints) -> (received rows, local ids, state); combine(y, state, ints) -> [L*K,D] (activation
-    dtype, zeros for the pairs outside window q)."""
+    dispatch(p, b, xs, ints) -> (received rows, local ids, state); combine(y, state, ints) -> [L*K,D] (activation
+    dtype, zeros for the pairs outside window b of pass p). rows_hint: the live rows one window expects."""
 
     def one_pass(p, diff, ints):
         xs, weights = diff[0], diff[1:]
@@ -289,12 +292,12 @@ def _pipelined_pass(dispatch, combine, blocks: int, n_local: int, lora_scales, k
             return _local_experts(recv, recv_ids, n_local, w_gate, w_up, w_down, _with_scales(lora_ab, lora_scales),
                                   kernels, rows_hint).astype(xs.dtype)
 
-        inflight = dispatch(p * blocks, xs, ints)
+        inflight = dispatch(p, 0, xs, ints)
         total = None
         for b in range(blocks):
             recv, recv_ids, state = inflight
             if b + 1 < blocks:  # the next window's rows leave before this window's experts start
-                inflight = dispatch(p * blocks + b + 1, xs, ints)
+                inflight = dispatch(p, b + 1, xs, ints)
             out = combine(experts(recv, recv_ids), state, ints)
             total = out if total is None else total + out
         return total
@@ -318,10 +321,21 @@ def _pass_windows(counts_all: jax.Array, p, capacity: int):
     return size, skip, landing
 
 
+def _window_part(size: jax.Array, skip: jax.Array, b: int, blocks: int):
+    """Part b of `blocks` of each transfer of a pass. `size[s, d]`: rows s sends d in the pass, `skip[s, d]`: rows
+    of that chunk sent in earlier passes. Returns [N,N] arrays: the part's rows, rows of the chunk before it, and
+    where it lands in d's window buffer (sources in order); offsets of empty transfers are 0."""
+    lo = size * b // blocks
+    part = size * (b + 1) // blocks - lo
+    landing = jnp.cumsum(part, axis=0) - part
+    return part, jnp.where(part > 0, skip + lo, 0), jnp.where(part > 0, landing, 0)
+
+
 def _ragged_body(x, weights, experts, w_gate, w_up, w_down, lora_ab, *, lora_scales, axis, n_dev, kernels,
                  receive_capacity=0.0, exchange_blocks=2):
-    """Per-device body of the `ragged_all_to_all` path (GPU; XLA:CPU cannot compile it). A pass's receive
-    window is exchanged in `exchange_blocks` windows of capacity/blocks rows, software-pipelined (`_pipelined_pass`)."""
+    """Per-device body of the `ragged_all_to_all` path (GPU; XLA:CPU cannot compile it). A pass goes in
+    `exchange_blocks` windows, software-pipelined (`_pipelined_pass`): window b carries part b of each (source,
+    destination) transfer of the pass (near-equal parts), so every window receives at most capacity/blocks + N rows."""
     tokens, k = experts.shape
     n_local = w_gate.shape[0]
     rows = tokens * k
@@ -333,14 +347,17 @@ def _ragged_body(x, weights, experts, w_gate, w_up, w_down, lora_ab, *, lora_sca
     capacity = worst if receive_capacity == 0 else min(worst, max(n_dev * MIN_CHUNK_ROWS,
                                                                   math.ceil(receive_capacity * rows)))
     blocks = _blocks(capacity, exchange_blocks, n_dev * MIN_CHUNK_ROWS)
-    h = -(-capacity // blocks)  # rows one window receives; blocks x h >= capacity
+    # Rows one window receives: part b of a transfer of n rows is at most ceil(n / blocks), so the N sources' parts
+    # add up to at most capacity / blocks + N.
+    h = capacity if blocks == 1 else -(-capacity // blocks) + n_dev
 
-    def dispatch(q, xs, ints):
+    def dispatch(p, b, xs, ints):
         local, counts_all = ints
         me = jax.lax.axis_index(axis)
         # starts_all[s, d]: the first row of s's chunk for d in s's expert-sorted rows.
         starts_all = jnp.cumsum(counts_all, axis=1) - counts_all
-        size, skip, landing = _pass_windows(counts_all, q, h)
+        size, skip, _ = _pass_windows(counts_all, p, capacity)
+        size, skip, landing = _window_part(size, skip, b, blocks)
         send_sizes, send_from, send_to = size[me], starts_all[me] + skip[me], landing[me]  # [N] by destination
         recv_sizes, recv_at = size[:, me], landing[:, me]  # [N] by source
         out, out_ids = jnp.zeros((h, xs.shape[-1]), xs.dtype), jnp.full((h,), n_local, jnp.int32)
@@ -359,10 +376,10 @@ def _ragged_body(x, weights, experts, w_gate, w_up, w_down, lora_ab, *, lora_sca
         return jax.lax.ragged_all_to_all(y, jnp.zeros((rows, y.shape[-1]), y.dtype), recv_at, recv_sizes, back_to,
                                          send_sizes, axis_name=axis)
 
-    one_pass = _pipelined_pass(dispatch, combine, blocks, n_local, lora_scales, kernels, rows)
+    one_pass = _pipelined_pass(dispatch, combine, blocks, n_local, lora_scales, kernels, -(-rows // blocks))
     most = jnp.max(jnp.sum(counts_all, axis=0))  # the busiest destination's rows
-    passes = jnp.maximum(1, (most + blocks * h - 1) // (blocks * h)).astype(jnp.int32)
-    back = _exchange(one_pass, passes, blocks * h >= worst, (x[token_of], w_gate, w_up, w_down, lora_ab),
+    passes = jnp.maximum(1, (most + capacity - 1) // capacity).astype(jnp.int32)
+    back = _exchange(one_pass, passes, capacity == worst, (x[token_of], w_gate, w_up, w_down, lora_ab),
                      (local, counts_all))
     return _combine(back, weights, order, token_of, tokens)
 

@@ -263,10 +263,10 @@ def test_bounded_receive_buffer_passes(monkeypatch, impl, name, k, skewed, capac
     with rules.axis_rules(spec.rules()), jax.set_mesh(mesh):
         jaxpr = str(jax.make_jaxpr(ep)(prob["x"], prob["weights"], prob["experts"], *prob["w"]))
     n_dev = mesh.shape[axis]
-    # Each pass goes in two pipelined windows of half its buffer; a window's rows carry their local expert ids
-    # as one more column (D + 1).
+    # Each pass goes in two pipelined windows of half its buffer (ragged: + N rows, each transfer split in near-equal
+    # parts); a window's rows carry their local expert ids as one more column (D + 1).
     if impl == "ragged":
-        window = math.ceil(capacity * rows / 2)
+        window = math.ceil(capacity * rows / 2) + n_dev
         assert f"f32[{window},{D + 1}]" in jaxpr and f"f32[{n_dev * rows},{D}]" not in jaxpr
     else:
         chunk = math.ceil(capacity * rows / n_dev)
@@ -312,3 +312,13 @@ def test_exchange_blocks_fall_back_below_the_chunk_floor():
     with pytest.raises(ValueError, match="exchange_blocks: expected >= 1"):
         with jax.set_mesh(MESHES["folded8"][0].make()), rules.axis_rules(MESHES["folded8"][0].rules()):
             experts_ep(prob["x"], prob["weights"], prob["experts"], *prob["w"], exchange_blocks=0)
+
+
+def test_ragged_windows_split_each_transfer_in_near_equal_parts():
+    """A ragged pass's window b carries part b of every (source, destination) transfer: the parts add up to the
+    transfer, start where the previous part ended, and land one source after another in the window's buffer."""
+    size, skip = jnp.array([[5, 0], [3, 2]]), jnp.array([[1, 0], [0, 4]])
+    first = [np.asarray(a).tolist() for a in expert_parallel._window_part(size, skip, 0, 2)]
+    second = [np.asarray(a).tolist() for a in expert_parallel._window_part(size, skip, 1, 2)]
+    assert first == [[[2, 0], [1, 1]], [[1, 0], [0, 4]], [[0, 0], [2, 0]]]
+    assert second == [[[3, 0], [2, 1]], [[3, 0], [1, 5]], [[0, 0], [3, 0]]]
