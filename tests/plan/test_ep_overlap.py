@@ -66,5 +66,4 @@ def test_exchange_overlaps_expert_matmuls_in_the_gpu_program():
     # results for the experts); at most a small independent kernel lands between a start and its done.
     hiding, out = _overlap(_compile(1))
     assert not any("gemm" in kinds for kinds in hiding), hiding
-    print(hidden, out["breakdown"]["collectives"]["all-to-all"]["hidden_s"])
     assert out["breakdown"]["collectives"]["all-to-all"]["hidden_s"] < hidden / 4
