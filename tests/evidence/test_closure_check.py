@@ -116,3 +116,15 @@ def test_a_step_receipt_other_than_the_quoted_one_is_named(committed, tmp_path):
     actual = json.loads((evidence / "step_000001" / "receipt.json").read_text())["receipt_sha256"]
     assert verify(forged) == [f"closure: step 1's receipt step_000001/receipt.json has receipt_sha256 {actual}, "
                               f"not the {'f' * 64} the closure quotes"]
+
+
+def test_the_committed_closure_is_the_online_receipts_run():
+    """evidence/online_grpo_tiny_closure.json, published from the run that evidence/online_grpo_tiny.json's step 1
+    came from: it verifies and quotes that step's original receipt_sha256 (the one the published copy records)."""
+    root = Path(__file__).resolve().parents[2] / "evidence"
+    closure_receipt, online = root / "online_grpo_tiny_closure.json", root / "online_grpo_tiny.json"
+    assert verify(closure_receipt) == []
+    section = json.loads(closure_receipt.read_text())["closure"]
+    step_1 = next(s for s in section["steps"] if s["step"] == 1)
+    assert step_1["receipt_sha256"] == json.loads(online.read_text())["published"]["receipt_sha256"]
+    assert section["processes"] == 1 and section["records"][0]["phases"]["completed"]["checkpoint save"] == 2
