@@ -493,7 +493,12 @@ def _close_run(workdir: str, outcome: dict) -> None:
         if process == 0:
             path = closure.commit(Path(workdir), receipts, closure.gather(Path(workdir), last, count))
             _log(f"closure: {path} (every process finished and stopped; verify checks it)")
-    except (Exception, KeyboardInterrupt) as e:
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM while closing: stop as during the run
+        terminated = isinstance(e, Terminated)
+        print(f"\n{'terminated (SIGTERM)' if terminated else 'interrupted'} during the closure: every step up to "
+              f"{last} stays committed in {workdir}; no closure receipt", file=sys.stderr, flush=True)
+        os._exit(143 if terminated else 130)
+    except Exception as e:
         if FLAGS.debug:
             raise
         sys.exit(f"closure error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; every step up to "
