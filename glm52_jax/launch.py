@@ -389,6 +389,10 @@ def main(argv):
 
     def work():
         try:
+            if FLAGS.mode == "train":  # the collectives this process issues, for the closure record
+                from glm52_jax.closure import ledger
+
+                outcome["ledger"] = ledger.install()
             if FLAGS.mode != "plan":
                 # A wait on the coordinator (a peer not started yet, an address held by something else) is never
                 # silent: a line naming the address once it has lasted 10 s.
@@ -403,6 +407,7 @@ def main(argv):
                     group = distributed.initialize()
                 finally:
                     slow.cancel()  # multi-host when GLM52_* or SLURM variables say so; else a no-op
+                outcome["group"] = group
                 if group is not None and group.num_processes > 1:
                     _RANK_PREFIX[0] = f"[{group.process_id}/{group.num_processes}] "
                     outcome["watch"] = peer_watch.for_this_process(peer_timeout_s)
@@ -462,9 +467,42 @@ def main(argv):
         if message is None:
             raise error
         sys.exit(message)
+    if FLAGS.mode == "train" and outcome["result"]["receipts"]:
+        _close_run(workdir, outcome)
     print(json.dumps(outcome["result"]))
     if FLAGS.mode == "plan" and not FLAGS.allow_unfit and (message := unfit_message(outcome["result"])):
         sys.exit(message)
+
+
+def _close_run(workdir: str, outcome: dict) -> None:
+    """The finished train run's closure (closure/record.py): every process stops what it started and records it;
+    process 0 commits WORKDIR/evidence/closure_step_<k>.json. A failure is one line (exit 1): every step stays
+    committed."""
+    from glm52_jax.closure import record as closure
+    from glm52_jax.parallel import watchdog
+
+    group = outcome.get("group")
+    process, count = (group.process_id, group.num_processes) if group is not None else (0, 1)
+    last = outcome["result"]["last_step"]
+    receipts = closure.step_receipts(outcome["result"]["receipts"])
+    try:
+        record = closure.process_record(Path(workdir), receipts, process=process, count=count, group=group,
+                                        watch=outcome.get("watch"), ledger=outcome.get("ledger"),
+                                        watchdog_module=watchdog)
+        closure.write_own(Path(workdir), last, record)
+        if process == 0:
+            path = closure.commit(Path(workdir), receipts, closure.gather(Path(workdir), last, count))
+            _log(f"closure: {path} (every process finished and stopped; verify checks it)")
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM while closing: stop as during the run
+        terminated = isinstance(e, Terminated)
+        print(f"\n{'terminated (SIGTERM)' if terminated else 'interrupted'} during the closure: every step up to "
+              f"{last} stays committed in {workdir}; no closure receipt", file=sys.stderr, flush=True)
+        os._exit(143 if terminated else 130)
+    except Exception as e:
+        if FLAGS.debug:
+            raise
+        sys.exit(f"closure error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; every step up to "
+                 f"{last} stays committed in {workdir}")
 
 
 def run():

@@ -294,7 +294,7 @@ def verify(receipt_path: str | os.PathLike) -> list[str]:
     each artifact's presence, size and sha256, that artifacts/ holds nothing unlisted, and that the hashes the
     receipt quotes (e.g. training.lora_sha256_after) are those of the artifacts they name (`cross_refs`), and that
     the places a receipt states its samples agree (completions, rewards, sampler records, their tokens detokenised,
-    completion_tokens.npy: `text_refs`).
+    completion_tokens.npy: `text_refs`), and a closure receipt's per-process records (`closure_check`).
     """
     receipt_path = receipt_file(receipt_path)
     try:
@@ -350,10 +350,12 @@ def verify(receipt_path: str | os.PathLike) -> list[str]:
             readable.add(path)
     failures += [f"unexpected file not in the manifest: {p}" for p in _files_under(run_dir, artifacts)
                  if p not in listed]
+    from glm52_jax.evidence.closure_check import closure_failures
     from glm52_jax.evidence.cross_refs import quoted_hash_failures
     from glm52_jax.evidence.text_refs import text_failures
 
-    return failures + quoted_hash_failures(receipt) + text_failures(run_dir, receipt, readable)
+    return (failures + quoted_hash_failures(receipt) + text_failures(run_dir, receipt, readable)
+            + closure_failures(receipt_path, receipt, artifacts))
 
 
 def _entry_problem(entry: Any, artifacts: str) -> str | None:

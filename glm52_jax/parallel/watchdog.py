@@ -31,6 +31,7 @@ Test hook: `GLM52_TEST_STALL=PHASE:SECONDS[:PROCESS]` makes `phase(PHASE)` sleep
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import faulthandler
@@ -275,6 +276,9 @@ def _fresh(path: Path, since: float) -> bool:
 
 
 _active: list[Watchdog] = []  # the installed watchdog (one per process), if any
+# Phases this process entered and left normally, by name (with or without a watchdog): the run's closure record.
+PHASES_ENTERED: collections.Counter[str] = collections.Counter()
+PHASES_COMPLETED: collections.Counter[str] = collections.Counter()
 
 
 def install(watchdog: Watchdog | None) -> None:
@@ -302,11 +306,13 @@ def phase(name: str, *, program: str | None = None, step: int | None = None) -> 
     hook's sleep). `program`: the compiled program it runs, for the hang line; `step` defaults to `set_step`'s."""
     watchdog = active()
     entered = watchdog.enter(name, program, step) if watchdog is not None else None
+    PHASES_ENTERED[name] += 1
     try:
         stall = _stall(name, _process())
         if stall:
             time.sleep(stall)
         yield
+        PHASES_COMPLETED[name] += 1  # not reached when the block raised
     finally:
         if entered is not None:
             watchdog.leave(entered)

@@ -175,6 +175,22 @@ def test_folded_two_processes_reproduce_one_device(one_device, tmp_path, jit_cac
     _assert_same_receipt(_receipt(one_device, 1), _receipt(tmp_path / "two", 1))
     err = (tmp_path / "logs" / "1.err").read_text()
     assert "[1/2] step 1 update (response_only): updated" in err  # progress lines carry the rank
+    _assert_closed(tmp_path / "two", steps=1)
+
+
+def _assert_closed(workdir: Path, steps: int) -> None:
+    """The 2-process run's closure receipt verifies: both processes finished every phase, issued the same
+    collectives (the CP/EP mesh's all-to-alls and all-reduces among them), stopped the coordinator and closed its
+    port, and hold no live array after the release."""
+    path = workdir / "evidence" / f"closure_step_{steps:06d}.json"
+    assert verify(path) == []
+    records = json.loads(path.read_text())["closure"]["records"]
+    assert [r["process"] for r in records] == [0, 1]
+    for record in records:
+        by_kind = record["collectives"]["by_kind"]
+        assert by_kind["all-reduce"]["ops"] > 0 and by_kind["all-to-all"]["ops"] > 0, by_kind
+        assert record["stopped"]["coordinator"] == "shut down" and record["coordinator_port"]["closed"] is True
+        assert record["after_release"]["live_array_bytes"] == 0
 
 
 @pytest.mark.slow  # ~60-150 s: a third 2-process run
@@ -230,6 +246,8 @@ def test_killed_process_stops_the_other_and_the_rerun_reproduces_the_steps(one_d
     for step in (1, 2):
         _assert_same_receipt(_receipt(one_device, step), _receipt(workdir, step))
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["1", "2"]
+    assert not (workdir / "evidence" / "closure_step_000001.json").exists()  # the killed run did not finish
+    _assert_closed(workdir, steps=2)  # the rerun's (step 2 only)
 
 
 @pytest.mark.slow  # a fourth 2-process run (~2-3 min)

@@ -318,13 +318,46 @@ def test_console_names_the_run_and_ends_with_how_to_verify_it(runs):
 def test_cli_receipt_verifies_with_the_evidence_cli(runs):
     """The README's `verify WORKDIR`: every committed step's receipt, the killed step's set-aside evidence named."""
     lines = runs["verify"].stdout.splitlines()
-    # Per receipt: its hashes, then its sampled texts against their tokens (the shipped tokenizer, found by sha256).
+    # The resumed run's closure (its own receipt: one line), then per step receipt: its hashes, then its sampled texts
+    # against their tokens (the shipped tokenizer, found by sha256).
+    assert lines[0].startswith("evidence/closure_step_000003.json: OK 1 artifacts, manifest "), lines
+    lines = lines[1:]
     assert [line.partition(": ")[0] for line in lines[:6]] == [f"evidence/step_{k:06d}/receipt.json"
                                                                for k in (1, 2, 3) for _ in range(2)], lines
     assert all(line.partition(": ")[2].startswith("OK ") for line in lines[:6]), lines
     assert lines[1].endswith(f": OK sampled texts equal their tokens detokenised with {default_tokenizer_path()}")
     assert lines[6:] == ["evidence/step_000002.uncommitted-1: not verified (not a committed step)",
-                         "OK: 3 of 3 receipts verified"], lines
+                         "OK: 4 of 4 receipts verified"], lines
+
+
+def test_a_finished_run_records_its_closure(runs):
+    """The resumed CLI run (steps 2 and 3, one process) ends with its closure receipt: the phases it completed, the
+    collectives it issued (none on one device), its traces' events, what it stopped and its live bytes after the
+    release; the killed run, which did not finish, left none."""
+    workdir = runs["cli"]
+    assert sorted(p.name for p in (workdir / "evidence").glob("closure_*.json")) == ["closure_step_000003.json"]
+    path = workdir / "evidence" / "closure_step_000003.json"
+    assert f"closure: {path} " in runs["resume"].stderr and verify(path) == []
+    section = json.loads(path.read_text())["closure"]
+    assert [s["step"] for s in section["steps"]] == [2, 3] and section["processes"] == 1
+    (record,) = section["records"]
+    completed = record["phases"]["completed"]
+    assert record["phases"]["entered"] == completed and record["phases"]["unfinished"] == []
+    assert {k: completed[k] for k in ("load", "checkpoint restore", "checkpoint save", "update")} == \
+        {"load": 1, "checkpoint restore": 1, "checkpoint save": 2, "update": 2}, completed
+    assert completed["prefill"] >= 2 and completed["decode"] >= 2
+    assert record["collectives"]["available"] and record["collectives"]["executions"] == 0  # one device
+    traces = record["trace_events"]["traces"]
+    assert [t["path"] for t in traces] == [f"step_{k:06d}/artifacts/traces/rank0.jsonl" for k in (2, 3)]
+    for trace in traces:
+        lines = (workdir / "evidence" / trace["path"]).read_text().splitlines()
+        assert trace["events"] == len(lines) and trace["sha256"] == sha256_file(workdir / "evidence" / trace["path"])
+    assert record["trace_events"]["by_kind"]["step_done"] == 2
+    assert record["stopped"] == {"peer_watch": "none (one process)", "coordinator": "none (one process)",
+                                 "compile_cache": {"directory": os.environ["JAX_COMPILATION_CACHE_DIR"],
+                                                   "closed": True}}
+    assert record["after_release"]["live_array_bytes"] == 0 and record["coordinator_port"] is None
+    assert not (workdir / "closure").exists()  # the staging directory, once committed
 
 
 def test_export_from_the_saved_settings(runs):
