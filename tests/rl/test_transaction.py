@@ -120,7 +120,7 @@ def test_transactions_update_and_receipts_verify(runs):
         training = receipt["training"]
         assert training["optimizer_steps"] == 1 and training["optimizer_steps_total"] == step
         assert training["lora_sha256_before"] != training["lora_sha256_after"]  # the step changed the adapters
-        assert training["lora_digest_before"] != training["lora_digest_after"]  # (verify recomputed both from the files)
+        assert training["lora_digest_before"] != training["lora_digest_after"]  # verify recomputed both from the files
         lora_hashes.append((training["lora_digest_before"], training["lora_digest_after"]))
         accepted = receipt["candidate_search"]["accepted"]
         assert len(set(receipt["rewards"][accepted])) > 1  # a mixed-reward group, as the search requires
