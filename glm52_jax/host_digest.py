@@ -7,7 +7,7 @@ A state's digest (`combined_digest`) is the sha256 of the canonical JSON list of
 digest] sorted by name. The array digests do not depend on sharding, device or process count, so neither
 does the state's: a 1-device run and an 8-device (or 2-process) run of the same values quote the same
 digest, and each process computes it from its own shards (only a [n_arrays, 4] uint32 table leaves the
-devices). The same values read from a file give the same digest (`file_digest`).
+devices). The same values read from a file give the same digest (`checkpoint.file_digest`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -92,12 +91,3 @@ def combined_digest(entries: Iterable[tuple[str, Sequence[int], str, str]]) -> s
     rows = sorted([str(name), [int(n) for n in shape], str(dtype), str(digest)]
                   for name, shape, dtype, digest in entries)
     return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode("ascii")).hexdigest()
-
-
-def file_digest(path: str | os.PathLike) -> str:
-    """`combined_digest` of a safetensors file's tensors (names as its keys), read one tensor at a time."""
-    from glm52_jax.checkpoint.safetensors_io import SafetensorsFile
-
-    f = SafetensorsFile(path)
-    return combined_digest((name, f.tensors[name].shape, str(f.get(name).dtype), hex_digest(array_digest(f.get(name))))
-                           for name in f.keys())

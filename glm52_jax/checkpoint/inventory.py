@@ -29,7 +29,7 @@ def state_inventory(state: nnx.State) -> dict[str, dict]:
 
 def inventory_digest(inventory: dict[str, dict]) -> str:
     """One digest (sha256 hex) of a whole inventory (`host_digest.combined_digest`): independent of the mesh and
-    the process count, and equal to `host_digest.file_digest` of a safetensors file of the same arrays."""
+    the process count, and equal to `checkpoint.file_digest` of a safetensors file of the same arrays."""
     return combined_digest((name, e["shape"], e["dtype"], e["digest"]) for name, e in inventory.items())
 
 

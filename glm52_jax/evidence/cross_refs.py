@@ -18,7 +18,7 @@ from typing import Any
 # (dotted key in the receipt, artifact file name it quotes the sha256 of)
 QUOTED_HASHES = (("training.lora_sha256_before", "lora_before.safetensors"),
                  ("training.lora_sha256_after", "lora_after.safetensors"))
-# (dotted key, artifact file name) whose quoted value is `host_digest.file_digest` of that safetensors file
+# (dotted key, artifact file name) whose quoted value is `checkpoint.file_digest` of that safetensors file
 QUOTED_DIGESTS = (("training.lora_digest_before", "lora_before.safetensors"),
                   ("training.lora_digest_after", "lora_after.safetensors"))
 
@@ -72,7 +72,7 @@ def quoted_digest_failures(run_dir: Path, receipt: Mapping[str, Any], readable: 
             continue
         if path not in readable:
             continue
-        from glm52_jax.host_digest import file_digest
+        from glm52_jax.checkpoint.file_digest import file_digest
 
         try:
             actual = file_digest(run_dir / path)

@@ -147,12 +147,13 @@ def test_lora_digest_and_file_agree_on_one_and_eight_devices(model, inventory, p
     the same on one device and sharded on 8, where its compiled digest program reduces a [n_arrays, 4] table with
     all-reduces and no all-gather (the former hash gathered every tensor whole onto every device). Its safetensors
     file, written one tensor at a time from the sharded copy, holds the same values, and its digest from the file
-    (`host_digest.file_digest`, what verify recomputes) is the same."""
+    (`checkpoint.file_digest`, what verify recomputes) is the same."""
     from safetensors.numpy import load_file
 
     from glm52_jax.checkpoint.digest import _digest_table, hex_digest
+    from glm52_jax.checkpoint.file_digest import file_digest
     from glm52_jax.checkpoint.state_file import write_state_file
-    from glm52_jax.host_digest import combined_digest, file_digest
+    from glm52_jax.host_digest import combined_digest
     from glm52_jax.parallel.placement import to_host
 
     lora = state_leaves(nnx.state(placed, LoRA))

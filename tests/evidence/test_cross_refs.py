@@ -3,8 +3,8 @@
 import hashlib
 import json
 
+from glm52_jax.checkpoint.file_digest import file_digest
 from glm52_jax.evidence import verify
-from glm52_jax.host_digest import file_digest
 from tests.receipt_forgery import resealed
 from tests.run_helpers import ROOT
 
