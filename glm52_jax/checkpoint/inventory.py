@@ -11,15 +11,32 @@ from __future__ import annotations
 from flax import nnx
 
 from glm52_jax.checkpoint.digest import digest_table, hex_digest
+from glm52_jax.host_digest import combined_digest
 from glm52_jax.model.named_arrays import state_leaves
+
+
+def named_inventory(leaves: dict[str, object]) -> dict[str, dict]:
+    """`{name: {"shape": [...], "dtype": str, "digest": 32 hex chars}}` over `{name: array}`."""
+    table = digest_table(list(leaves.values()))  # [n, 4] uint32: the only device-to-host transfer
+    return {name: {"shape": list(value.shape), "dtype": str(value.dtype), "digest": hex_digest(row)}
+            for (name, value), row in zip(leaves.items(), table, strict=True)}
 
 
 def state_inventory(state: nnx.State) -> dict[str, dict]:
     """`{"path/to/leaf": {"shape": [...], "dtype": str, "digest": 32 hex chars}}` over a state's arrays."""
-    leaves = state_leaves(state)
-    table = digest_table(list(leaves.values()))  # [n, 4] uint32: the only device-to-host transfer
-    return {name: {"shape": list(value.shape), "dtype": str(value.dtype), "digest": hex_digest(row)}
-            for (name, value), row in zip(leaves.items(), table, strict=True)}
+    return named_inventory(state_leaves(state))
+
+
+def inventory_digest(inventory: dict[str, dict]) -> str:
+    """One digest (sha256 hex) of a whole inventory (`host_digest.combined_digest`): independent of the mesh and
+    the process count, and equal to `checkpoint.file_digest` of a safetensors file of the same arrays."""
+    return combined_digest((name, e["shape"], e["dtype"], e["digest"]) for name, e in inventory.items())
+
+
+def state_digest(state: nnx.State) -> str:
+    """`inventory_digest` of a state (a LoRA, its gradients): each process digests its own shards on device,
+    nothing is gathered (the sha256 of a whole-state file would need every byte in order on one host)."""
+    return inventory_digest(state_inventory(state))
 
 
 def param_inventory(model: nnx.Module) -> dict[str, dict]:

@@ -175,9 +175,3 @@ class RunCheckpoints:
     def close(self) -> None:
         self._manager.close()
 
-
-def lora_digest(model: nnx.Module) -> dict[str, str]:
-    """Per-array sha256 of the adapters (to compare a restored model with the saved one)."""
-    from glm52_jax.evidence.hashing import array_digests
-
-    return {name: d["sha256"] for name, d in array_digests(nnx.state(model, LoRA)).items()}

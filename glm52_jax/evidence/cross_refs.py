@@ -3,16 +3,24 @@
 The manifest binds each artifact's bytes, but `training.lora_sha256_after` is a second statement about
 lora_after.safetensors: a forger who replaces the file and re-seals the manifest leaves that quote stale.
 `verify` reports every such mismatch. Imports no JAX.
+
+The LoRA digests (`training.lora_digest_*`, computed per shard on device: `host_digest`) are recomputed from
+the files' values (numpy, imported only then): the adapters the run held are the adapters it shipped.
+Receipts from before the digests quote none, and verify as they did.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from pathlib import Path
 from typing import Any
 
 # (dotted key in the receipt, artifact file name it quotes the sha256 of)
 QUOTED_HASHES = (("training.lora_sha256_before", "lora_before.safetensors"),
                  ("training.lora_sha256_after", "lora_after.safetensors"))
+# (dotted key, artifact file name) whose quoted value is `checkpoint.file_digest` of that safetensors file
+QUOTED_DIGESTS = (("training.lora_digest_before", "lora_before.safetensors"),
+                  ("training.lora_digest_after", "lora_after.safetensors"))
 
 
 def _get(receipt: Mapping[str, Any], dotted: str) -> Any:
@@ -42,4 +50,36 @@ def quoted_hash_failures(receipt: Mapping[str, Any]) -> list[str]:
         elif entry.get("sha256") != quoted:
             failures.append(f"{key} is {quoted} but {entry.get('path')} hashes to {entry.get('sha256')} (the artifact "
                             "was replaced, or the receipt edited)")
+    return failures
+
+
+def quoted_digest_failures(run_dir: Path, receipt: Mapping[str, Any], readable: Collection[str]) -> list[str]:
+    """One line per quoted state digest that differs from the digest of its file's values (`readable`: the
+    manifest paths whose bytes verified; a quote of a file not among them is reported by the manifest checks)."""
+    manifest = receipt.get("manifest")
+    if not isinstance(manifest, list):
+        return []
+    by_name = {str(e.get("path", "")).rpartition("/")[2]: str(e.get("path")) for e in manifest
+               if isinstance(e, Mapping)}
+    failures = []
+    for key, name in QUOTED_DIGESTS:
+        quoted = _get(receipt, key)
+        if quoted is None:
+            continue
+        path = by_name.get(name)
+        if path is None:
+            failures.append(f"{key} quotes the digest of {name}, which the manifest does not list")
+            continue
+        if path not in readable:
+            continue
+        from glm52_jax.checkpoint.file_digest import file_digest
+
+        try:
+            actual = file_digest(run_dir / path)
+        except (ValueError, TypeError, KeyError) as e:
+            failures.append(f"{key}: {path} cannot be read as safetensors ({e})")
+            continue
+        if actual != quoted:
+            failures.append(f"{key} is {quoted} but the values in {path} digest to {actual} (the artifact was "
+                            "replaced, or the receipt edited)")
     return failures

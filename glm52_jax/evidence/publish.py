@@ -10,10 +10,10 @@ no receipt (and never overwrites one).
 
 `result_differences` compares what two runs of the same transaction computed (a regenerated receipt
 against a committed one): `deterministic_view` of each, without the `published` section, the artifacts'
-directory prefix, hashes (every key naming a sha256, e.g. `lora_sha256_after`) and byte counts (hashes of float
-data differ with the last bit of a float, which another CPU's XLA code generation changes; `verify` checks each
-receipt's own), absolute paths, and the sections the receipt marks
-nondeterministic; numbers within a relative tolerance, everything else exactly.
+directory prefix, hashes (every key naming a sha256 or a digest, e.g. `lora_sha256_after`, `grads_digest`) and byte
+counts (hashes of float data differ with the last bit of a float, which another CPU's XLA code generation changes;
+`verify` checks each receipt's own), absolute paths, and the sections the receipt marks nondeterministic; numbers
+within a relative tolerance, everything else exactly.
 """
 
 from __future__ import annotations
@@ -112,8 +112,8 @@ def _walk(a: Any, b: Any, where: str, rtol: float, out: list[str], ignore: froze
         rounding = noise > 0 and _at_noise(a, noise) and _at_noise(b, noise)
         for key in sorted(a.keys() | b.keys()):
             path = f"{where}.{key}"
-            if ("sha256" in key or key == "bytes" or any(fnmatch.fnmatchcase(path, p) for p in ignore)
-                    or (rounding and key == "outliers")):
+            if ("sha256" in key or "digest" in key or key == "bytes"
+                    or any(fnmatch.fnmatchcase(path, p) for p in ignore) or (rounding and key == "outliers")):
                 continue
             if key not in a or key not in b:
                 out.append(f"{path}: only in the {'first' if key in a else 'second'}")

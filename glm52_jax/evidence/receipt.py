@@ -292,7 +292,8 @@ def verify(receipt_path: str | os.PathLike) -> list[str]:
     `receipt_path` may also be the run directory. Checks: readable standard JSON, schema/version,
     receipt_sha256, manifest_sha256, each manifest path (plain, under artifacts/, no symlinks),
     each artifact's presence, size and sha256, that artifacts/ holds nothing unlisted, and that the hashes the
-    receipt quotes (e.g. training.lora_sha256_after) are those of the artifacts they name (`cross_refs`), and that
+    receipt quotes (e.g. training.lora_sha256_after) are those of the artifacts they name and its LoRA digests those
+    of the files' values (`cross_refs`), and that
     the places a receipt states its samples agree (completions, rewards, sampler records, their tokens detokenised,
     completion_tokens.npy: `text_refs`), and a closure receipt's per-process records (`closure_check`).
     """
@@ -351,11 +352,11 @@ def verify(receipt_path: str | os.PathLike) -> list[str]:
     failures += [f"unexpected file not in the manifest: {p}" for p in _files_under(run_dir, artifacts)
                  if p not in listed]
     from glm52_jax.evidence.closure_check import closure_failures
-    from glm52_jax.evidence.cross_refs import quoted_hash_failures
+    from glm52_jax.evidence.cross_refs import quoted_digest_failures, quoted_hash_failures
     from glm52_jax.evidence.text_refs import text_failures
 
-    return (failures + quoted_hash_failures(receipt) + text_failures(run_dir, receipt, readable)
-            + closure_failures(receipt_path, receipt, artifacts))
+    return (failures + quoted_hash_failures(receipt) + quoted_digest_failures(run_dir, receipt, readable)
+            + text_failures(run_dir, receipt, readable) + closure_failures(receipt_path, receipt, artifacts))
 
 
 def _entry_problem(entry: Any, artifacts: str) -> str | None:

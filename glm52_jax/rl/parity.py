@@ -6,8 +6,10 @@ Samples like a transaction (same candidate search, same seeds) until a mixed-rew
 nonzero LoRA state (parity_cases), then in each case (`ratio1`, `active_clip`) computes the GRPO
 loss, new log-probs and LoRA gradients of that group in every mode of `parity.modes` (one backward
 per sample, never an optimizer step: the LoRA and AdamW state are hashed before and after and must
-not change), exports every gradient shard as it lives on each device (parity_shards), and compares
-each mode with `parity.reference` (conventional) by the seed's metrics (parity_metrics). Each pair
+not change; their digests are computed per shard on device), exports every gradient shard as it lives on each
+device (parity_shards), and compares each mode with `parity.reference` (conventional) by the seed's metrics
+(parity_metrics), on process 0, one parameter at a time read back from every process's shard files: no
+gradient is gathered, and host memory is bounded by the largest parameter, not the gradients. Each pair
 is decided `passed` / `failed` against `parity.acceptance`. With `parity.torch_reference` (HF + PEFT) and
 `parity.megatron_reference` (megatron-core) the same fixture also runs in PyTorch and is compared the same way
 (parity_references).
@@ -84,23 +86,25 @@ def _policy_state(spec: RunSpec, model) -> dict[str, Any]:
             "a": "fresh adapter init (uniform +-1/sqrt(fan_in), seed)"}
 
 
-def _lora_sha256(model) -> str:
+def _lora_digest(model) -> str:
     from flax import nnx
 
-    from glm52_jax.evidence.hashing import state_sha256
+    from glm52_jax.checkpoint.inventory import state_digest
     from glm52_jax.model.lora import LoRA
 
-    return state_sha256(nnx.state(model, LoRA))
+    return state_digest(nnx.state(model, LoRA))
 
 
-def _state_hashes(model, optimizer) -> dict[str, str]:
+def _state_hashes(model, optimizer) -> dict[str, Any]:
+    """Digests of the LoRA and the AdamW state, computed per shard on device (`inventory.state_digest`): nothing
+    is gathered, and every process computes the same."""
     import jax
 
-    from glm52_jax.evidence.hashing import sha256_bytes
-    from glm52_jax.parallel.placement import to_host
+    from glm52_jax.checkpoint.inventory import inventory_digest, named_inventory
 
-    moments = b"".join(np.ascontiguousarray(a).tobytes() for a in to_host(jax.tree.leaves(optimizer.opt_state)))
-    return {"lora_sha256": _lora_sha256(model), "optimizer_sha256": sha256_bytes(moments),
+    moments = {jax.tree_util.keystr(path): x for path, x in jax.tree_util.tree_flatten_with_path(optimizer.opt_state)[0]
+               if hasattr(x, "shape")}
+    return {"lora_digest": _lora_digest(model), "optimizer_digest": inventory_digest(named_inventory(moments)),
             "optimizer_step": optimizer.step}
 
 
@@ -112,20 +116,12 @@ def _families(model) -> dict[str, str]:
     return {"/".join(map(str, p)): v.get_metadata()["family"] for p, v in nnx.to_flat_state(nnx.state(model, LoRA))}
 
 
-def _sha(host: dict[str, np.ndarray]) -> str:
-    from safetensors.numpy import save
-
-    from glm52_jax.evidence.hashing import sha256_bytes
-
-    return sha256_bytes(save(dict(sorted(host.items()))))
-
-
 def _parity(inputs, model, optimizer, writer, artifacts: Path, mesh_spec, log) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from glm52_jax.evidence.hashing import state_arrays
+    from glm52_jax.checkpoint.inventory import state_digest
     from glm52_jax.parallel.placement import to_host
     from glm52_jax.rl.gradients import cached_response_logprobs_jit, lora_gradients, prefix_for_response
 
@@ -158,16 +154,18 @@ def _parity(inputs, model, optimizer, writer, artifacts: Path, mesh_spec, log) -
         fixture_arrays[f"{case}/old_logprobs.npy"] = old
         runs = {}
         for mode in modes:
-            params_sha = _lora_sha256(model)  # what this path starts from (the optimizer is checked once, after)
+            params_digest = _lora_digest(model)  # what this path starts from (the optimizer is checked once, after)
             log(f"parity {case}: {mode} gradients")
             with watchdog.phase(f"parity {mode}", program=f"{case} gradients"):
                 out = lora_gradients(model, prompt, responses, mask, old, advantages, mode=mode, loss=loss_settings,
                                      prefix_cache=prefix if mode == "response_only" else None)
                 arrays = {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(out.grads)}
                 records = _export(arrays, artifacts / case / mode)
-                host = state_arrays(out.grads)  # gathered (several processes: a collective every process joins)
-            runs[mode] = {"grads": host, "loss": float(to_host(out.loss)), "records": records,
-                          "logprobs": np.asarray(to_host(out.logprobs)), "params_sha256": params_sha,
+                digest = state_digest(out.grads)  # per shard on device: nothing gathered
+            # Process 0 compares after the barrier below, reading the shard files one parameter at a time.
+            runs[mode] = {"directory": artifacts / case / mode, "grads_digest": digest,
+                          "loss": float(to_host(out.loss)), "records": records,
+                          "logprobs": np.asarray(to_host(out.logprobs)), "params_digest": params_digest,
                           "metrics": {k: float(v) for k, v in to_host(dict(out.metrics)).items()}}
             fixture_arrays[f"{case}/{mode}/new_logprobs.npy"] = runs[mode]["logprobs"]
             files += [f"{case}/{mode}/{name}" for k in range(processes.count())
@@ -182,6 +180,9 @@ def _parity(inputs, model, optimizer, writer, artifacts: Path, mesh_spec, log) -
     if writer is None:  # processes other than 0: computed alongside, nothing to write
         processes.barrier("parity: receipt written")
         return {"receipt": None}
+    for runs in results.values():  # every process's shards are written: each mode's gradients, read when compared
+        for run in runs.values():
+            run["grads"] = _gradients(run["directory"])
     section = _compare(spec, results, reference_runs, families, mask, olds, advantages, loss_settings, bounds, log)
     if reference_runs:
         section["references"] = parity_references.describe(spec, model)
@@ -217,6 +218,17 @@ def _shard_files(process: int) -> tuple[str, str]:
     return file_names("shards", process)
 
 
+def _gradients(directory: Path):
+    """One mode's gradients as `{name: array}`, each read from every process's shard files when indexed."""
+    from glm52_jax.rl.parity_shards import ShardedArrays
+
+    return ShardedArrays(directory, "shards", processes.count())
+
+
+def _nonfinite(grads) -> int:
+    return sum(int(np.count_nonzero(~np.isfinite(grads[name]))) for name in grads)
+
+
 def _export(arrays: dict, directory: Path) -> list[dict]:
     from glm52_jax.rl.parity_shards import export_shards
 
@@ -236,7 +248,7 @@ def _compare(spec, results, reference_runs, families, mask, olds, advantages, lo
             metrics = parity_metrics.pair_metrics(
                 run["grads"], ref["grads"], families, logprobs=run["logprobs"], ref_logprobs=ref["logprobs"],
                 mask=mask, loss=run["loss"], ref_loss=ref["loss"], outliers=outliers, shards=run["records"],
-                ref_shards=ref["records"], params_sha256=run["params_sha256"], ref_params_sha256=ref["params_sha256"])
+                ref_shards=ref["records"], params_digest=run["params_digest"], ref_params_digest=ref["params_digest"])
             pairs[mode] = {**metrics, **parity_metrics.decide(metrics, bounds[mode])}
             _log_pair(log, case, f"{mode} vs {reference}", pairs[mode])
         reference_pairs = {}
@@ -250,9 +262,8 @@ def _compare(spec, results, reference_runs, families, mask, olds, advantages, lo
             clip_ratio_high=loss_settings.clip_ratio_high, clip_ratio_c=loss_settings.clip_ratio_c)
         cases[case] = {
             "clipping": clips,
-            "modes": {mode: {"loss": run["loss"], "metrics": run["metrics"], "grads_sha256": _sha(run["grads"]),
-                             "shards": len(run["records"]),
-                             "nonfinite": sum(int((~np.isfinite(g)).sum()) for g in run["grads"].values())}
+            "modes": {mode: {"loss": run["loss"], "metrics": run["metrics"], "grads_digest": run["grads_digest"],
+                             "shards": len(run["records"]), "nonfinite": _nonfinite(run["grads"])}
                       for mode, run in runs.items()},
             "pairs": pairs, **reference_pairs,
         }

@@ -29,39 +29,38 @@ from glm52_jax.parity_decision import decide, measured  # noqa: F401  (the decis
 FAMILY_ALL = "all"
 
 
-def family_vectors(grads: Mapping[str, np.ndarray], families: Mapping[str, str]) -> dict[str, np.ndarray]:
-    """Gradients flattened (float64) per LoRA family (`families[name]`), plus "all" over every family."""
-    parts: dict[str, list[np.ndarray]] = {}
-    for name in sorted(grads):
-        parts.setdefault(families[name], []).append(np.asarray(grads[name], np.float64).ravel())
-    vecs = {f: np.concatenate(v) for f, v in sorted(parts.items())}
-    vecs[FAMILY_ALL] = np.concatenate([vecs[f] for f in sorted(parts)])
-    return vecs
+def _accumulate(sums: dict[str, np.ndarray], family: str, a: np.ndarray, r: np.ndarray) -> None:
+    """Adds one parameter's [a.r, a.a, r.r, |a - r|^2] (float64) to its family's running sums."""
+    d = a - r
+    sums.setdefault(family, np.zeros(4))[:] += (a @ r, a @ a, r @ r, d @ d)
+
+
+def _cosine_rel_l2(sums: np.ndarray) -> dict[str, float | None]:
+    """Cosine and |a - ref| / |ref| from [a.r, a.a, r.r, |a - r|^2]; None where undefined (a zero norm)."""
+    ar, aa, rr, dd = (float(v) for v in sums)
+    na, nr = np.sqrt(aa), np.sqrt(rr)
+    return {"cosine": float(ar / (na * nr)) if na > 0 and nr > 0 else None,
+            "rel_l2": float(np.sqrt(dd) / nr) if nr > 0 else None}
 
 
 def cosine_rel_l2(a: np.ndarray, ref: np.ndarray) -> dict[str, float | None]:
     """Cosine of `a` and `ref`, and |a - ref| / |ref|; None where undefined (a zero norm)."""
-    na, nr = float(np.linalg.norm(a)), float(np.linalg.norm(ref))
-    return {"cosine": float(a @ ref / (na * nr)) if na > 0 and nr > 0 else None,
-            "rel_l2": float(np.linalg.norm(a - ref) / nr) if nr > 0 else None}
+    a, ref = np.asarray(a, np.float64).ravel(), np.asarray(ref, np.float64).ravel()
+    d = a - ref
+    return _cosine_rel_l2(np.array([a @ ref, a @ a, ref @ ref, d @ d]))
 
 
-def compare_families(a: Mapping[str, np.ndarray], ref: Mapping[str, np.ndarray]) -> dict[str, dict]:
-    """Per family of `ref` (and "all"): cosine and relative L2 of `a` against `ref`."""
-    return {f: cosine_rel_l2(a[f], r) for f, r in ref.items()}
+def _outlier_row(name: str, a: np.ndarray, r: np.ndarray) -> dict[str, Any]:
+    diff = np.abs(a - r)
+    norm = float(np.sqrt(r @ r))
+    return {"name": name, "rel_l2": float(np.sqrt(diff @ diff) / norm) if norm > 0 else None,
+            "max_abs_diff": float(diff.max(initial=0.0)), "ref_l2": norm,
+            "ref_max_abs": float(np.abs(r).max(initial=0.0))}
 
 
-def _outliers(grads: Mapping[str, np.ndarray], ref: Mapping[str, np.ndarray], n: int) -> list[dict[str, Any]]:
-    rows = []
-    for name in sorted(ref):
-        a, r = np.asarray(grads[name], np.float64), np.asarray(ref[name], np.float64)
-        diff = np.abs(a - r)
-        norm = float(np.linalg.norm(r))
-        rows.append({"name": name, "rel_l2": float(np.linalg.norm(diff) / norm) if norm > 0 else None,
-                     "max_abs_diff": float(diff.max(initial=0.0)), "ref_l2": norm,
-                     "ref_max_abs": float(np.abs(r).max(initial=0.0))})
+def _largest(rows: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
     # Largest first; a parameter whose reference is zero (undefined relative value) ranks by its absolute diff.
-    rows.sort(key=lambda row: (row["rel_l2"] is not None, row["rel_l2"] or row["max_abs_diff"]), reverse=True)
+    rows = sorted(rows, key=lambda row: (row["rel_l2"] is not None, row["rel_l2"] or row["max_abs_diff"]), reverse=True)
     return [row for row in rows if row["max_abs_diff"] > 0][:n]
 
 
@@ -82,31 +81,49 @@ def compare_shards(records: Sequence[Mapping], ref_records: Sequence[Mapping], l
 def pair_metrics(grads: Mapping[str, np.ndarray], ref: Mapping[str, np.ndarray], families: Mapping[str, str], *,
                  logprobs: np.ndarray, ref_logprobs: np.ndarray, mask: np.ndarray, loss: float, ref_loss: float,
                  outliers: int, shards: Sequence[Mapping] | None = None, ref_shards: Sequence[Mapping] | None = None,
-                 params_sha256: str | None = None, ref_params_sha256: str | None = None) -> dict[str, Any]:
+                 params_digest: str | None = None, ref_params_digest: str | None = None) -> dict[str, Any]:
     """Every metric of the seed's parity table for `grads` (a mode) against `ref` (the reference mode).
 
     logprobs, ref_logprobs, mask: [G,R] (mask 1 on valid response tokens). The shard and starting-parameter
-    comparisons are made when both sides are given (a PyTorch reference has whole arrays and its own copy)."""
+    comparisons are made when both sides are given (a PyTorch reference has whole arrays and its own copy).
+    One parameter at a time: `grads` and `ref` may be mappings that read each array when indexed
+    (`parity_shards.ShardedArrays`), so host memory is a few copies of the largest parameter (float64), not the
+    gradients; the families' cosines and relative L2 come from running float64 sums of a.r, a.a, r.r, |a - r|^2."""
     names, ref_names = sorted(grads), sorted(ref)
     if names != ref_names:
         differ = sorted(set(names) ^ set(ref_names))[:5]
         raise ValueError(f"parity: the modes' gradients name different parameters: {differ}")
+    sums: dict[str, np.ndarray] = {}
+    rows: list[dict[str, Any]] = []
+    mask_diff = elements = nonfinite = reference_nonfinite = 0
+    for name in names:
+        g, r = np.asarray(grads[name]), np.asarray(ref[name])
+        mask_diff += int(np.count_nonzero((g == 0) != (r == 0)))
+        nonfinite += int(np.count_nonzero(~np.isfinite(g)))
+        reference_nonfinite += int(np.count_nonzero(~np.isfinite(r)))
+        elements += int(g.size)
+        a64, r64 = g.astype(np.float64).ravel(), r.astype(np.float64).ravel()
+        del g, r
+        _accumulate(sums, families[name], a64, r64)
+        rows.append(_outlier_row(name, a64, r64))
+        del a64, r64
+    if sums:
+        sums = dict(sorted(sums.items()))
+        sums[FAMILY_ALL] = np.sum(list(sums.values()), axis=0)
     valid = np.asarray(mask) != 0
     logp_diff = np.abs(np.asarray(logprobs, np.float64) - np.asarray(ref_logprobs, np.float64))
-    mask_diff = sum(int(np.count_nonzero((np.asarray(grads[n]) == 0) != (np.asarray(ref[n]) == 0))) for n in names)
-    nonfinite = lambda g: sum(int(np.count_nonzero(~np.isfinite(g[n]))) for n in names)  # noqa: E731
     out = {
         "logprob_abs": float(logp_diff[valid].max(initial=0.0)),
         "loss_abs": abs(float(loss) - float(ref_loss)),
-        "families": compare_families(family_vectors(grads, families), family_vectors(ref, families)),
+        "families": {f: _cosine_rel_l2(v) for f, v in sums.items()},
         "mask_differences": mask_diff,
-        "elements": sum(int(np.asarray(grads[n]).size) for n in names),
-        "nonfinite": nonfinite(grads),
-        "reference_nonfinite": nonfinite(ref),
-        "outliers": _outliers(grads, ref, outliers),
+        "elements": elements,
+        "nonfinite": nonfinite,
+        "reference_nonfinite": reference_nonfinite,
+        "outliers": _largest(rows, outliers),
     }
     if shards is not None and ref_shards is not None:
         out["shards"] = compare_shards(shards, ref_shards)
-    if params_sha256 is not None and ref_params_sha256 is not None:
-        out["params_equal"] = params_sha256 == ref_params_sha256
+    if params_digest is not None and ref_params_digest is not None:
+        out["params_equal"] = params_digest == ref_params_digest
     return out

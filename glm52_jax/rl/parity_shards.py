@@ -10,7 +10,8 @@ Each process writes, for the devices it addresses, into `directory`:
 
 Every device's copy is hashed, so a replica that diverged from its peers shows up as a different hash
 for the same (name, index). Only addressable shards are read: no gather, no process holds more than
-its own devices' gradients. `assemble` rebuilds whole arrays from the files (tests, offline comparisons).
+its own devices' gradients. `ShardedArrays` reads whole arrays back one at a time (parity's comparison on
+process 0), `assemble` all at once (tests, offline comparisons).
 """
 
 from __future__ import annotations
@@ -74,25 +75,47 @@ def read_records(directory: str | os.PathLike, stem: str, processes: int) -> lis
     return out
 
 
-def assemble(directory: str | os.PathLike, stem: str, processes: int) -> dict[str, np.ndarray]:
-    """Whole arrays from the exported shards; every element must be covered by a stored shard."""
-    records = read_records(directory, stem, processes)
-    shapes: dict[str, list[int]] = {}
-    for r in records:  # an array's shape: the largest stop per axis over its shards
-        stops = [b for _, b in r["index"]] if r["index"] else []
-        shapes[r["name"]] = [max(x) for x in zip(shapes.get(r["name"], stops), stops)] if stops else []
-    out = {n: np.zeros(s, dtype=np.dtype(next(r["dtype"] for r in records if r["name"] == n)))
-           for n, s in shapes.items()}
-    covered = {n: np.zeros(s, dtype=bool) for n, s in shapes.items()}
-    for k in range(processes):
-        stored = SafetensorsFile(Path(directory) / file_names(stem, k)[1])
-        for key in stored.keys():
-            name, _, rest = key.rpartition("[")
-            spans = [tuple(map(int, p.split(":"))) for p in rest.rstrip("]").split(",") if p]
+class ShardedArrays(Mapping):
+    """`{name: whole array}` over the exported shards of every process, each array assembled only when indexed
+    (and not kept): a comparison that takes one name at a time holds one array, never all the gradients.
+    Every element must be covered by a stored shard."""
+
+    def __init__(self, directory: str | os.PathLike, stem: str, processes: int):
+        self._directory, self._stem = Path(directory), stem
+        records = read_records(directory, stem, processes)
+        self._shapes: dict[str, list[int]] = {}
+        self._dtypes: dict[str, str] = {}
+        for r in records:  # an array's shape: the largest stop per axis over its shards
+            stops = [b for _, b in r["index"]] if r["index"] else []
+            self._shapes[r["name"]] = [max(x) for x in zip(self._shapes.get(r["name"], stops), stops)] if stops else []
+            self._dtypes.setdefault(r["name"], r["dtype"])
+        self._files = [SafetensorsFile(Path(directory) / file_names(stem, k)[1]) for k in range(processes)]
+        self._keys: dict[str, list[tuple[SafetensorsFile, str]]] = {}  # name -> (file, stored key) of its shards
+        for f in self._files:
+            for key in f.keys():
+                self._keys.setdefault(key.rpartition("[")[0], []).append((f, key))
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._shapes:
+            raise KeyError(name)
+        out = np.zeros(self._shapes[name], dtype=np.dtype(self._dtypes[name]))
+        covered = np.zeros(out.shape, dtype=bool)
+        for f, key in self._keys.get(name, ()):
+            spans = [tuple(map(int, p.split(":"))) for p in key.rpartition("[")[2].rstrip("]").split(",") if p]
             where = tuple(slice(a, b) for a, b in spans)
-            out[name][where] = stored.get(key)
-            covered[name][where] = True
-    holes = [n for n, c in covered.items() if not c.all()]
-    if holes:
-        raise ValueError(f"parity shards under {directory}: no stored shard covers part of {holes[:3]}")
-    return out
+            out[where] = f.get(key)
+            covered[where] = True
+        if not covered.all():
+            raise ValueError(f"parity shards under {self._directory}: no stored shard covers part of {name}")
+        return out
+
+    def __iter__(self):
+        return iter(sorted(self._shapes))
+
+    def __len__(self) -> int:
+        return len(self._shapes)
+
+
+def assemble(directory: str | os.PathLike, stem: str, processes: int) -> dict[str, np.ndarray]:
+    """Whole arrays from the exported shards (all at once: tests, offline comparisons)."""
+    return dict(ShardedArrays(directory, stem, processes))

@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 
 from glm52_jax.evidence.atomic import atomic_write_bytes
-from glm52_jax.evidence.hashing import sha256_bytes, state_bytes
 from glm52_jax.evidence.receipt import ARTIFACTS_DIR
 from glm52_jax.parallel import watchdog
 from glm52_jax.rl import decode_audit, processes, step_metrics
@@ -32,13 +31,38 @@ from glm52_jax.rl.samples import REQUEST_CANDIDATE, jsonl_bytes
 from glm52_jax.rl.search import Accepted, candidate_seeds, engine_probe, probe_seed, response_batch, search_group
 from glm52_jax.rl.settings import loss_settings
 
+LORA_FILES = ("lora_before.safetensors", "lora_after.safetensors")
 
-def lora_bytes(model) -> bytes:
+
+def lora_state(model):
     from flax import nnx
 
     from glm52_jax.model.lora import LoRA
 
-    return state_bytes(nnx.state(model, LoRA))
+    return nnx.state(model, LoRA)
+
+
+def save_lora(model, writer, evidence_dir: Path, name: str) -> None:
+    """Process 0 (`writer`) writes the adapters to artifacts/`name`, one tensor at a time (`checkpoint.state_file`);
+    the other processes join the collectives of the tensors spread over several of them."""
+    from glm52_jax.checkpoint.state_file import write_state_file
+
+    dest = None
+    if writer is not None:
+        dest = evidence_dir / ARTIFACTS_DIR / name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    write_state_file(lora_state(model), dest)
+
+
+def lora_digest(model, inventory: dict[str, dict] | None = None) -> str:
+    """The adapters' digest (`inventory.state_digest`: per shard on device, the same on every process and mesh),
+    taken from `inventory` (the model's, whose LoRA entries are the same digests) when given."""
+    from glm52_jax.checkpoint.inventory import inventory_digest, state_digest
+    from glm52_jax.model.named_arrays import state_leaves
+
+    if inventory is None:
+        return state_digest(lora_state(model))
+    return inventory_digest({name: inventory[name] for name in state_leaves(lora_state(model))})
 
 
 def update(inputs: RunInputs, model, optimizer, sampler, accepted: Accepted) -> tuple[dict, dict, dict, dict]:
@@ -47,6 +71,7 @@ def update(inputs: RunInputs, model, optimizer, sampler, accepted: Accepted) -> 
     import jax.numpy as jnp
     from flax import nnx
 
+    from glm52_jax.checkpoint.inventory import state_digest
     from glm52_jax.parallel.placement import to_host
     from glm52_jax.rl.gradients import cached_response_logprobs_jit, prefix_for_response
     from glm52_jax.rl.numerics import NonFiniteError, all_finite
@@ -76,7 +101,7 @@ def update(inputs: RunInputs, model, optimizer, sampler, accepted: Accepted) -> 
     loss = float(upd.loss)
     training = {"status": "updated", "optimizer_steps": optimizer.step - steps_before, "mode": mode, "loss": loss,
                 "grad_norm": float(upd.grad_norm), "metrics": {k: float(v) for k, v in upd.metrics.items()},
-                "grads_sha256": sha256_bytes(state_bytes(upd.grads)), "advantages": advantages.tolist(),
+                "grads_digest": state_digest(upd.grads), "advantages": advantages.tolist(),
                 "group_samples": accepted.samples,
                 "new_logprobs": "updated adapters on the responses, prompt KV of the sampling policy"}
     numerics = {"finite": all_finite({"loss": loss, "grad_norm": training["grad_norm"], "new_logprobs": new_logprobs,
@@ -94,9 +119,9 @@ def update(inputs: RunInputs, model, optimizer, sampler, accepted: Accepted) -> 
 
 
 def write_artifacts(writer, spec, *, arrays: dict, seeds: list[int], stop_ids, candidates: list[dict],
-                    samples: list[dict], inventories: tuple[dict, dict], lora: tuple[bytes, bytes],
-                    cleanup: dict) -> None:
-    """Every artifact of a transaction (each hashed into the manifest)."""
+                    samples: list[dict], inventories: tuple[dict, dict], cleanup: dict) -> dict[str, str]:
+    """Every artifact of a transaction (each hashed into the manifest; the LoRA files, already written by
+    `save_lora`, are listed). Returns {LoRA file name: its sha256}."""
     for name, array in sorted(arrays.items()):
         writer.add_array(name, array, kind="array")
     s = spec.sampling
@@ -109,9 +134,8 @@ def write_artifacts(writer, spec, *, arrays: dict, seeds: list[int], stop_ids, c
     writer.add_bytes("samples.jsonl", jsonl_bytes(samples), kind="samples")
     writer.add_json("inventory_before_sampling.json", inventories[0], kind="inventory")
     writer.add_json("inventory_after_sampling.json", inventories[1], kind="inventory")
-    writer.add_bytes("lora_before.safetensors", lora[0], kind="lora")
-    writer.add_bytes("lora_after.safetensors", lora[1], kind="lora")
     writer.add_json("cleanup.json", cleanup, kind="cleanup")
+    return {name: writer.add_written(name, kind="lora")["sha256"] for name in LORA_FILES}
 
 
 def _rank_files(rank: int) -> dict[str, str]:
@@ -197,7 +221,8 @@ def run_transaction(inputs: RunInputs, *, step: int, step_key, cursor: int, mode
     writer = EvidenceWriter(evidence_dir) if processes.is_writer() else None
     processes.barrier(f"step {step}: evidence directory ready")
     traces: list[dict[str, Any]] = []
-    inventory_before, lora_before = param_inventory(model), lora_bytes(model)
+    inventory_before = param_inventory(model)
+    save_lora(model, writer, evidence_dir, LORA_FILES[0])
     stop_ids = tuple(int(i) for i in model.cfg.eos_token_id)
     seeds = candidate_seeds(step_key, spec.search.max_candidates)
     event("step_start", traces, step=step, cursor=cursor)
@@ -236,18 +261,20 @@ def run_transaction(inputs: RunInputs, *, step: int, step_key, cursor: int, mode
         event("update_end", traces, step=step, **{k: training[k] for k in ("status", "optimizer_steps")})
         log(f"step {step} update ({mode}): {training['status']}"
             + (f", loss {training['loss']:.6g}, grad norm {training['grad_norm']:.4g}" if "loss" in training else ""))
-    lora_after = lora_bytes(model)
     training["optimizer_steps_total"] = optimizer.step
-    training["lora_sha256_before"] = sha256_bytes(lora_before)
-    training["lora_sha256_after"] = sha256_bytes(lora_after)
+    training["lora_digest_before"] = lora_digest(model, inventory_before)
+    training["lora_digest_after"] = lora_digest(model)
+    save_lora(model, writer, evidence_dir, LORA_FILES[1])
     cleanup = {"prefix_cache_entries_dropped": len(sampler.prefix_cache), "prefix_cache_cleared": True}
     sampler.prefix_cache.clear()
     event("step_done", traces, step=step, status=training["status"])
 
     if writer is not None:
-        write_artifacts(writer, spec, arrays=arrays, seeds=seeds, stop_ids=stop_ids, candidates=candidates,
-                        samples=samples, inventories=(inventory_before, inventory_after),
-                        lora=(lora_before, lora_after), cleanup=cleanup)
+        lora_sha256 = write_artifacts(writer, spec, arrays=arrays, seeds=seeds, stop_ids=stop_ids,
+                                      candidates=candidates, samples=samples,
+                                      inventories=(inventory_before, inventory_after), cleanup=cleanup)
+        # The files' sha256 (verify checks them against the manifest, and the digests against the files' values).
+        training["lora_sha256_before"], training["lora_sha256_after"] = (lora_sha256[n] for n in LORA_FILES)
     rank_paths = write_rank_records(writer, evidence_dir, step, traces)
     receipt = evidence_dir / RECEIPT_NAME
     if writer is not None:

@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from glm52_jax import host_digest
 from glm52_jax.checkpoint.digest import (
     CHUNK_BYTES,
     INDEX_LIMIT,
@@ -229,3 +230,14 @@ def test_digest_temporaries_are_bounded_by_a_chunk(mesh, layout):
     assert temp <= (4 * chunk_bytes + (1 << 20)) // per_device, temp
     assert temp < array_bytes  # the whole-array program of before needed 8x the array (512 MiB here)
     assert "all-gather" not in compiled.as_text()
+
+
+def test_host_digest_equals_the_device_digest(cases, chunked, monkeypatch):
+    """`host_digest.array_digest` (numpy: what verify recomputes from a receipt's files) equals the device digest
+    on every dtype and layout, on the chunked cases in host steps of 7 words, and on the outer-index path."""
+    for (case, layout), (host, row) in cases.items():
+        np.testing.assert_array_equal(host_digest.array_digest(host), row, err_msg=f"{case} / {layout}")
+    monkeypatch.setattr(host_digest, "CHUNK_ELEMENTS", 7)
+    for name, (host, _, limit, _) in CHUNKED.items():
+        monkeypatch.setattr(host_digest, "INDEX_LIMIT", limit or INDEX_LIMIT)
+        np.testing.assert_array_equal(host_digest.array_digest(host), chunked[name][0], err_msg=name)

@@ -69,7 +69,8 @@ def one_device(tmp_path_factory) -> Path:
 # computes next. Everything else (tokens, texts, rewards, groups, every base weight's digest) is byte-identical.
 FLOAT_ARTIFACTS = ("old_logprobs.npy", "new_logprobs.npy", "samples.jsonl", "lora_before.safetensors",
                    "lora_after.safetensors", "inventory_before_sampling.json", "inventory_after_sampling.json")
-FLOAT_TRAINING = ("loss", "grad_norm", "grads_sha256", "lora_sha256_before", "lora_sha256_after", "metrics")
+FLOAT_TRAINING = ("loss", "grad_norm", "grads_digest", "lora_sha256_before", "lora_sha256_after",
+                  "lora_digest_before", "lora_digest_after", "metrics")
 
 
 def _without_floats(view: dict) -> dict:
@@ -129,6 +130,8 @@ def _assert_same_receipt(one: Path, two: Path) -> None:
         assert len(base) > 20 and {k: inv_b[k] for k in base} == {k: inv_a[k] for k in base}
         if a["transaction"]["step"] == 1:  # fresh adapters from the seed: the same bits
             assert inv_b == inv_a
+    if a["transaction"]["step"] == 1:  # each process digested its own shards: the 1-device run's digest
+        assert tb["lora_digest_before"] == ta["lora_digest_before"]
     assert _without_floats(deterministic_view(b)) == _without_floats(deterministic_view(a))
 
 

@@ -120,12 +120,13 @@ def test_transactions_update_and_receipts_verify(runs):
         training = receipt["training"]
         assert training["optimizer_steps"] == 1 and training["optimizer_steps_total"] == step
         assert training["lora_sha256_before"] != training["lora_sha256_after"]  # the step changed the adapters
-        lora_hashes.append((training["lora_sha256_before"], training["lora_sha256_after"]))
+        assert training["lora_digest_before"] != training["lora_digest_after"]  # verify recomputed both from the files
+        lora_hashes.append((training["lora_digest_before"], training["lora_digest_after"]))
         accepted = receipt["candidate_search"]["accepted"]
         assert len(set(receipt["rewards"][accepted])) > 1  # a mixed-reward group, as the search requires
         assert all(len(set(r)) == 1 for r in receipt["rewards"][:accepted])  # earlier ones were all-equal
         assert np.isfinite(training["loss"]) and receipt["numerics"]["finite"]
-        assert len(training["grads_sha256"]) == 64
+        assert len(training["grads_digest"]) == 64 and "grads_sha256" not in training
         # Sampling left every parameter byte as it was.
         art = receipt_path.parent / "artifacts"
         assert json.loads((art / "inventory_before_sampling.json").read_text()) == \
@@ -584,6 +585,7 @@ def test_sharded_transaction_matches_one_device(runs, tmp_path):
     # On-device parameter digests do not depend on the sharding: the same inventory on 1 and 8 devices.
     for name in ("inventory_before_sampling.json", "inventory_after_sampling.json"):
         assert json.loads((art_b / name).read_text()) == json.loads((art_a / name).read_text()), name
+    assert b["training"]["lora_digest_before"] == a["training"]["lora_digest_before"]  # the same starting adapters
 
 
 def test_prefill_progress_reaches_the_console_for_long_prompts():
