@@ -25,6 +25,7 @@ from glm52_jax.parallel.mesh import parse_mesh
 from glm52_jax.parallel.placement import place_model
 from glm52_jax.parallel.rules import axis_rules, logical_to_spec
 from glm52_jax.rollout import sampler
+from glm52_jax.rollout.cache import fit_capacity
 
 CAPACITY = 64  # 16 slots per shard on context=4, 8 on folded=8
 # (length before, chunk tokens): a chunk inside one shard, one straddling a boundary (13..18 on 16 and
@@ -182,6 +183,38 @@ def test_strided_slots_balance_every_chunk():
     # Contiguous: 8x on the first chunk (all its keys on device 0), over 1.1x on all but the last (every shard full).
     assert ratios["contiguous"][0] == ways and (ratios["contiguous"][:-1] > 1.1).all(), ratios["contiguous"]
     assert totals["strided"] < 1.01 and totals["contiguous"] > 1.7, totals
+
+
+def test_fit_capacity_keeps_each_slot_in_the_strided_layout():
+    """A prefix-cache entry refitted to another capacity (`rollout.cache.fit_capacity`, what a longer request does
+    with a stored prefix): a strided cache (4 shards, 16 slots, 10 filled) grown to 32 and cut to 12 holds, in slot
+    order, what the slot-order cache grown or cut the same way holds; a capacity the shards do not divide is one
+    clear error."""
+    slots = jnp.arange(16, dtype=jnp.float32).reshape(1, 1, 1, 16, 1) + 1
+    slots = jnp.where(slots <= 10, slots, 0.0)  # 10 written slots, zeros after (as an empty cache's)
+    flat = KVCache((slots,), (2 * slots,), (jnp.zeros((1, 0, 1, 16, 3)),), jnp.asarray(10, jnp.int32))
+    strided = flat.relayout(4)
+    assert strided.stride == 4 and np.asarray(strided.c_kv[0]).ravel()[:4].tolist() == [1, 5, 9, 0]  # device 0
+    for capacity in (32, 12):
+        got, want = fit_capacity(strided, capacity), fit_capacity(flat, capacity)
+        assert got.stride == 4 and got.capacity == capacity
+        for g, w in zip(jax.tree.leaves(got.relayout(1)), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    with pytest.raises(ValueError, match="cannot hold 30 slots: use a multiple of 4"):
+        fit_capacity(strided, 30)
+
+
+def test_a_strided_cache_refuses_another_mesh(written):
+    """A cache laid out over 4 slot shards written under folded=8 (8 shards) or outside a mesh would put rows in the
+    wrong slots: one error naming both and the fix (traced only)."""
+    chunks, _ = written
+    cache = _empty_cache().relayout(4)
+    mesh_spec = parse_mesh("folded=8")
+    with axis_rules(mesh_spec.rules()), jax.set_mesh(mesh_spec.make()):
+        with pytest.raises(ValueError, match=r"over 4 slot shards .* splits slots 8 ways; .* cache.relayout\(8\)"):
+            jax.eval_shape(write_chunk, cache, *chunks[0][:3], chunks[0][3])
+    with pytest.raises(ValueError, match=r"splits slots 1 ways; .* cache.relayout\(1\)"):
+        jax.eval_shape(write_chunk, cache, *chunks[0][:3], chunks[0][3])
 
 
 def test_one_device_write_is_a_dynamic_update_slice(written):
