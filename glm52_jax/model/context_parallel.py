@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from glm52_jax.model import cache_fp8
-from glm52_jax.model.indexer import cached_topk, merge_topk, streaming_topk
+from glm52_jax.model.indexer import INVALID, cached_topk, merge_topk, streaming_topk
+from glm52_jax.model.kv_cache import SlotLayout, check_slot_mesh
 from glm52_jax.model.sparse_attention import array_rows, sparse_mla_rows
 from glm52_jax.parallel.rules import constrain, logical_to_spec
 
@@ -216,31 +217,27 @@ def cp_sparse_attention(lay: Layout, q_lat, q_rope, c_kv, k_rope, positions, ind
 MAX_CACHED_QUERIES = 256
 
 
-def cached_layout(num_queries: int, capacity: int, layout: str, mesh=None) -> tuple[tuple[str, ...], int] | None:
-    """(sequence mesh axes, ways) when a cached chunk (`num_queries` = batch x chunk) should run
-    `cp_cached_attention`: a mesh splits the cache's slots evenly."""
-    del num_queries  # any length: long chunks loop over query blocks
-    if layout == "off":
+def cached_layout(stride: int) -> tuple[tuple[str, ...], SlotLayout] | None:
+    """(slot mesh axes, slot layout) when a cached chunk runs `cp_cached_attention`: its cache is laid out over the
+    current mesh's slot shards (`KVCache.stride` > 1; `kv_cache.check_slot_mesh` refuses another mesh). None for a
+    slot-ordered cache (one device; GSPMD places the reads). Any chunk length: long chunks loop over query blocks.
+    Not `ModelOptions.context_parallel`: a strided cache has only this reader."""
+    if stride == 1:
         return None
-    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-    if mesh is None or mesh.empty:
-        return None
-    axes = seq_axes(mesh)
-    ways = math.prod(mesh.shape[a] for a in axes) if axes else 1
-    if ways == 1 or capacity % ways:
-        return None
-    return axes, ways
+    return check_slot_mesh(stride), SlotLayout(stride)
 
 
-def cp_cached_attention(axes: tuple[str, ...], q_lat, q_rope, c_new, r_new, positions, cache, index, prev_topk, *,
-                        index_topk: int, index_scale: float, softmax_scale: float, indexer_blocks: dict):
-    """A chunk's sparse MLA over a cache whose slot axis is sharded on `axes` (see `_cp_cached_block`), for any
-    chunk length: chunks of more than `MAX_CACHED_QUERIES` queries (batch x chunk) run in query blocks (a
-    `lax.map`; the last block padded with copies of the last query), each against the whole chunk's own keys,
-    so no device ever holds the cache's key stack. Same arguments and results as `_cp_cached_block`."""
+def cp_cached_attention(sharded: tuple[tuple[str, ...], SlotLayout], q_lat, q_rope, c_new, r_new, positions, cache,
+                        index, prev_topk, *, index_topk: int, index_scale: float, softmax_scale: float,
+                        indexer_blocks: dict):
+    """A chunk's sparse MLA over a cache whose slots are laid out over `sharded = (axes, layout)` (`cached_layout`;
+    see `_cp_cached_block`), for any chunk length: chunks of more than `MAX_CACHED_QUERIES` queries (batch x chunk)
+    run in query blocks (a `lax.map`; the last block padded with copies of the last query), each against the whole
+    chunk's own keys, so no device ever holds the cache's key stack. Same arguments and results as
+    `_cp_cached_block`."""
     batch, seq = q_lat.shape[:2]
     if batch * seq <= MAX_CACHED_QUERIES:
-        return _cp_cached_block(axes, q_lat, q_rope, c_new, r_new, positions, positions, cache, index, prev_topk,
+        return _cp_cached_block(sharded, q_lat, q_rope, c_new, r_new, positions, positions, cache, index, prev_topk,
                                 index_topk=index_topk, index_scale=index_scale, softmax_scale=softmax_scale,
                                 indexer_blocks=indexer_blocks)
     block = max(1, MAX_CACHED_QUERIES // batch)
@@ -262,7 +259,7 @@ def cp_cached_attention(axes: tuple[str, ...], q_lat, q_rope, c_new, r_new, posi
     def one(args):
         ql, qr, qpos, qi, prev = args
         blk_index = None if index is None else (*qi, index[2])
-        return _cp_cached_block(axes, ql, qr, c_new, r_new, qpos, positions, cache, blk_index, prev,
+        return _cp_cached_block(sharded, ql, qr, c_new, r_new, qpos, positions, cache, blk_index, prev,
                                 index_topk=index_topk, index_scale=index_scale, softmax_scale=softmax_scale,
                                 indexer_blocks=indexer_blocks)
 
@@ -271,14 +268,16 @@ def cp_cached_attention(axes: tuple[str, ...], q_lat, q_rope, c_new, r_new, posi
     return join(out), join(topk)
 
 
-def _cp_cached_block(axes: tuple[str, ...], q_lat, q_rope, c_new, r_new, q_positions, positions, cache, index,
-                     prev_topk, *, index_topk: int, index_scale: float, softmax_scale: float, indexer_blocks: dict):
-    """A chunk's sparse MLA over a cache whose slot axis is sharded on `axes`.
+def _cp_cached_block(sharded: tuple[tuple[str, ...], SlotLayout], q_lat, q_rope, c_new, r_new, q_positions,
+                     positions, cache, index, prev_topk, *, index_topk: int, index_scale: float, softmax_scale: float,
+                     indexer_blocks: dict):
+    """A chunk's sparse MLA over a cache whose slots are laid out by `layout` over the mesh axes `axes` (`sharded`).
 
     Each device scores only its own cache slots with the indexer; the per-device candidates are
     all-gathered and merged with the chunk's own keys into the exact global top-k; each device
-    attends to the selected keys it holds (cache rows in its slot range, and chunk rows whose
-    slots it will own) and the partial softmax results are combined with a log-sum-exp.
+    attends to the selected keys it holds (cache rows in its slots, and chunk rows whose slots it
+    will own) and the partial softmax results are combined with a log-sum-exp. With the slots strided
+    (`kv_cache.SlotLayout`) every device scores ceil or floor of length / N slots.
 
     q_lat: [B,Q,H,C], q_rope: [B,Q,H,R] (Q queries at `q_positions: [Q]`, the whole chunk or a block of it);
     c_new: [B,S,C], r_new: [B,S,R] the whole chunk's own rows at `positions: [S]`; cache: a `LayerCacheView`
@@ -287,6 +286,7 @@ def _cp_cached_block(axes: tuple[str, ...], q_lat, q_rope, c_new, r_new, q_posit
     own indexer, else None and `prev_topk: [B,Q,K]` (global slots). Returns (out_lat [B,Q,H,C], top-k [B,Q,K]
     global slots), replicated over `axes`.
     """
+    axes, layout = sharded
     replicated = P()
     slots = P(None, None, None, axes, None)
     scale_slots = P(None, None, None, axes)
@@ -295,22 +295,17 @@ def _cp_cached_block(axes: tuple[str, ...], q_lat, q_rope, c_new, r_new, q_posit
 
     def per_device(q_lat, q_rope, c_new, r_new, q_positions, positions, cache_c, cache_r, cache_i, slot, index_slot,
                    length, index, prev_topk, cache_cs, cache_is):
-        local_cap = cache_c.shape[-2]
-        base = jax.lax.axis_index(axes) * local_cap
+        me = jax.lax.axis_index(axes)
         if index is not None:
             iq, iw, ik_new = index
-            local_len = jnp.clip(length - base, 0, local_cap)
-            vals, idx = cached_topk(iq, iw, cache_i, index_slot, q_positions, local_len, index_topk,
+            vals, idx = cached_topk(iq, iw, cache_i, index_slot, q_positions, layout.filled(length, me), index_topk,
                                     scale=index_scale, key_scales=cache_is, **indexer_blocks)
-            idx = jnp.where(idx >= 0, idx + base, idx)
-            # [N,B,S,k] -> [B,S,N*k]: device order is slot order, so ties keep the lowest slot.
-            cand = tuple(jnp.moveaxis(jax.lax.all_gather(a, axes), 0, 2).reshape(*a.shape[:2], -1) for a in (vals, idx))
-            own_vals, own_idx = streaming_topk(iq, iw, ik_new, q_positions, positions, index_topk,
-                                               scale=index_scale, return_scores=True, **indexer_blocks)
-            topk = merge_topk(cand, (own_vals, jnp.where(own_idx >= 0, own_idx + length, own_idx)), topk_k)
+            topk = merge_topk(gather_candidates(vals, layout.slot(me, idx), idx >= 0, axes),
+                              _own_candidates(iq, iw, ik_new, q_positions, positions, length, index_topk, index_scale,
+                                              indexer_blocks), topk_k, ties="slot")
         else:
             topk = prev_topk
-        out = _partial_attention(q_lat, q_rope, topk, cache_c, cache_r, slot, c_new, r_new, length, base, local_cap,
+        out = _partial_attention(q_lat, q_rope, topk, cache_c, cache_r, slot, c_new, r_new, length, me, layout,
                                  softmax_scale, axes, cache_cs)
         return out, topk
 
@@ -335,25 +330,41 @@ def _cp_cached_block(axes: tuple[str, ...], q_lat, q_rope, c_new, r_new, q_posit
     return out.astype(q_lat.dtype), topk
 
 
+def _own_candidates(iq, iw, ik_new, q_positions, positions, length, index_topk, index_scale, indexer_blocks):
+    """The chunk's own keys' top-k candidates (scores, global slots `length + i`) [B,Q,k]: the same on every device."""
+    vals, idx = streaming_topk(iq, iw, ik_new, q_positions, positions, index_topk, scale=index_scale,
+                               return_scores=True, **indexer_blocks)
+    return vals, jnp.where(idx >= 0, idx + length, idx)
+
+
+def gather_candidates(vals: jax.Array, slots: jax.Array, valid: jax.Array, axes) -> tuple[jax.Array, jax.Array]:
+    """Every device's top-k candidates `vals`, `slots: [B,S,k]` (global slots where `valid`) all-gathered over
+    `axes`: [B,S,N*k], INVALID where not valid. Devices hold interleaved slots, so the concatenation is not in slot
+    order: merge with `merge_topk(..., ties="slot")`."""
+    slots = jnp.where(valid, slots, INVALID)
+    return tuple(jnp.moveaxis(jax.lax.all_gather(a, axes), 0, 2).reshape(*a.shape[:2], -1) for a in (vals, slots))
+
+
 # Selected keys are attended in blocks of this many; a device runs only the blocks that hold keys it keeps
-# (`lse_attention`): with the slots balanced, about K/N of a query's K selected keys, not all K.
+# (`lse_attention`): with the slots strided, about K/N of a query's K selected keys, not all K.
 KEY_BLOCK = 256
 
 
-def _partial_attention(q_lat, q_rope, topk, cache_c, cache_r, slot, c_new, r_new, length, base, local_cap, scale,
-                       axes, cache_cs=None):
-    """Softmax attention over the selected keys this device holds (cache rows in its slot range, chunk
-    rows whose slots it will own), combined across `axes` by `lse_attention`. With an FP8 cache (`cache_cs`:
+def _partial_attention(q_lat, q_rope, topk, cache_c, cache_r, slot, c_new, r_new, length, me, layout: SlotLayout,
+                       scale, axes, cache_cs=None):
+    """Softmax attention over the selected keys device `me` holds (`layout`: cache rows of its slots, chunk rows
+    whose slots it will own), combined across `axes` by `lse_attention`. With an FP8 cache (`cache_cs`:
     the local e4m3 rows' scales) only the gathered rows are dequantized."""
     lead = tuple(jnp.asarray(i, jnp.int32) for i in slot)
+    local_cap = cache_c.shape[-2]
     b = jnp.arange(topk.shape[0], dtype=jnp.int32)[:, None, None]
-    mine = (topk >= 0) & (topk // local_cap == base // local_cap)  # slot s lives on device s // local_cap
+    mine = (topk >= 0) & (layout.device(topk) == me)
 
     def rows(idx):  # [B,S,k] selected slots -> their rows [B,S,k,C], [B,S,k,R] (clipped where not this device's)
         in_cache = idx < length
         out = []
         for cached, scales, fresh in ((cache_c, cache_cs, c_new), (cache_r, None, r_new)):
-            at = (*lead, b, jnp.clip(idx - base, 0, local_cap - 1))
+            at = (*lead, b, jnp.clip(layout.row(idx), 0, local_cap - 1))
             past = cached[at]  # [B,S,k,*]
             if scales is not None:
                 past = cache_fp8.read_rows(past, scales[at], fresh.dtype)

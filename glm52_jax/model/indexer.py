@@ -266,12 +266,26 @@ def cached_topk(q: jax.Array, w: jax.Array, keys: jax.Array, index: tuple, q_pos
                       qb, kk, True, None, CACHED_KEY_LOOP)
 
 
-def merge_topk(first: tuple[jax.Array, jax.Array], second: tuple[jax.Array, jax.Array], topk: int) -> jax.Array:
-    """Top-k of two scored candidate lists `(scores, indices) [B,S,*]`; ties keep `first`'s entries."""
+def merge_topk(first: tuple[jax.Array, jax.Array], second: tuple[jax.Array, jax.Array], topk: int,
+               ties: str = "first") -> jax.Array:
+    """Top-k of two scored candidate lists `(scores, indices) [B,S,*]`, best first. Equal scores keep `first`'s
+    entries, in list order (`ties="first"`: one device, where that is the lower slot), or the lower slot
+    (`ties="slot"`: candidates gathered from strided slot shards, whose concatenation is not in slot order);
+    either way the one-device streaming top-k's choice and order."""
     vals = jnp.concatenate([first[0], second[0]], axis=-1)
     idxs = jnp.concatenate([first[1], second[1]], axis=-1)
-    best, pos = jax.lax.top_k(vals, min(topk, vals.shape[-1]))
-    return jnp.where(jnp.isneginf(best), INVALID, jnp.take_along_axis(idxs, pos, axis=-1))
+    k = min(topk, vals.shape[-1])
+    if ties == "slot":
+        # lax.sort compares floats as numbers (-0.0 == +0.0), lax.top_k in its total order (-0.0 below +0.0, which
+        # relu-weighted scores produce): sort on the bits' order instead, descending (~), then by slot.
+        bits = jax.lax.bitcast_convert_type(vals, jnp.int32)
+        order = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)  # int order = float total order
+        _, picked, best = jax.lax.sort((~order, idxs, vals), dimension=-1, num_keys=2)
+        best, picked = best[..., :k], picked[..., :k]
+    else:
+        best, pos = jax.lax.top_k(vals, k)
+        picked = jnp.take_along_axis(idxs, pos, axis=-1)
+    return jnp.where(jnp.isneginf(best), INVALID, picked)
 
 
 def _reference_scores(read_block, scale):

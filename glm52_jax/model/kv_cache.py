@@ -17,6 +17,16 @@ two more stacks hold one float32 scale per row (the row axes without the feature
 
 With "auto" (the model dtype) `c_scale` and `i_scale` are empty tuples: no leaves, the same programs as before.
 
+Slot layout: under a mesh that shards the slot axis over N devices (`slot_axes`), slot s lives on device
+s % N at local row s // N (`SlotLayout`; `KVCache.stride` = N, 1 = slot order). Strided, not contiguous:
+every query attends only to keys at or before its position, so with contiguous shards the devices holding
+the earliest slots score a full share on every chunk and the ones past `length` none (the device with the
+newest keys did ~1.88x the mean indexer work over a 2M chunked prefill on 8 devices). Dealt round-robin,
+every device holds ceil or floor of length / N filled slots and a chunk's rows split evenly, so each
+chunk's indexer, attention and write work is the same on every device. The global array is therefore in
+device-major order (index (s % N) * Cap/N + s // N), not slot order: only readers that know the layout
+(the context-parallel paths, `SlotLayout`) may index it; `KVCache.relayout(1)` gives the slot order.
+
 Slots `>= length` are unused; their position is their slot index, which causality already hides
 from every query at a smaller position, so no extra mask is needed. That also makes padding safe:
 a cache may have more slots than the model has positions (`slot_capacity` rounds up so that the
@@ -45,6 +55,42 @@ def scale_axes(axes: tuple) -> tuple:
     return tuple(axes[:-1])
 
 
+@dataclasses.dataclass(frozen=True)
+class SlotLayout:
+    """Where a cache's slots live when `ways` devices share its slot axis: slot s on device s % ways, at local row
+    s // ways (module docstring: why strided). ways = 1 is slot order. The one mapping every writer and reader uses;
+    the methods take Python ints, numpy or jax arrays alike."""
+
+    ways: int
+
+    def device(self, slot):
+        return slot % self.ways
+
+    def row(self, slot):
+        return slot // self.ways
+
+    def slot(self, device, row):
+        return row * self.ways + device
+
+    def filled(self, length, device):
+        """Rows of `device` that hold slots < `length` (the first rows: rows grow with the slot)."""
+        return (length - device + self.ways - 1) // self.ways
+
+    def to_slots(self, a: jax.Array, axis: int = 3) -> jax.Array:
+        """`a` with its slot `axis` in this layout's device-major order -> slot order."""
+        return self._swap(a, axis, (self.ways, a.shape[axis] // self.ways))
+
+    def from_slots(self, a: jax.Array, axis: int = 3) -> jax.Array:
+        """Inverse of `to_slots`: slot order -> device-major (device d's rows: slots d, d + ways, ...)."""
+        return self._swap(a, axis, (a.shape[axis] // self.ways, self.ways))
+
+    def _swap(self, a, axis, split):
+        if self.ways == 1:
+            return a
+        parts = a.reshape(*a.shape[:axis], *split, *a.shape[axis + 1:])
+        return jnp.swapaxes(parts, axis, axis + 1).reshape(a.shape)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
@@ -55,6 +101,9 @@ class KVCache:
     # Per-row float32 scales of c_kv / index_k when they hold e4m3 values; () otherwise (module docstring).
     c_scale: tuple[jax.Array, ...] = ()
     i_scale: tuple[jax.Array, ...] = ()
+    # The slot layout's ways (`SlotLayout`): the stacks' slot axis is in its device-major order. Static (part of
+    # the tree structure): programs are traced for one layout. 1: slot order.
+    stride: int = dataclasses.field(default=1, metadata=dict(static=True))
 
     @property
     def capacity(self) -> int:
@@ -68,6 +117,22 @@ class KVCache:
     def cache_dtype(self) -> str:
         """The `ModelOptions.cache_dtype` this cache was made with."""
         return cache_fp8.E4M3.name if self.c_scale else "auto"
+
+    @property
+    def layout(self) -> SlotLayout:
+        return SlotLayout(self.stride)
+
+    def relayout(self, stride: int) -> KVCache:
+        """The same cache with its stacks in the slot layout of `stride` ways (1: slot order, what a cache made on
+        one device holds; a test compares caches so). A permutation of each stack's slot axis."""
+        if self.capacity % stride:
+            raise ValueError(f"a cache of {self.capacity} slots cannot be split {stride} ways")
+
+        def move(a):
+            return SlotLayout(stride).from_slots(self.layout.to_slots(a, 3), 3)
+
+        stacks = [tuple(map(move, group)) for group in self.stacks()]
+        return KVCache(*stacks[:3], self.length, *stacks[3:], stride=stride)
 
     def stacks(self) -> tuple:
         """Every array the cache holds (values and scales), not `length`."""
@@ -98,7 +163,7 @@ class KVCache:
 
     def segment(self, s: int) -> SegmentCache:
         scales = (self.c_scale[s], self.i_scale[s]) if self.c_scale else (None, None)
-        return SegmentCache(self.c_kv[s], self.k_rope[s], self.index_k[s], self.length, *scales)
+        return SegmentCache(self.c_kv[s], self.k_rope[s], self.index_k[s], self.length, *scales, stride=self.stride)
 
     def write(self, new_c, new_r, new_i, seq: int) -> KVCache:
         return write_chunk(self, new_c, new_r, new_i, seq)
@@ -117,10 +182,19 @@ def slot_capacity(tokens: int, multiple: int, ways: int = 1) -> int:
     return -(-tokens // step) * step
 
 
-def slot_ways() -> int:
-    """Devices the current mesh (if any) and rules split the cache's slot axis over (1 outside a mesh)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return math.prod(mesh.shape[n] for n in slot_axes())
+def slot_ways(mesh=None) -> int:
+    """Devices `mesh` (default: the current mesh, if any) and the rules split the cache's slot axis over (1 outside
+    a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    return math.prod(mesh.shape[n] for n in slot_axes(mesh))
+
+
+def slot_stride(capacity: int, mesh=None) -> int:
+    """The slot layout's ways (`KVCache.stride`) of a cache of `capacity` slots made under `mesh` (default: the
+    current one): the devices sharing its slot axis when they divide it, else 1 (slot order; GSPMD places the
+    reads and writes of such a cache, which `slot_capacity` never makes)."""
+    ways = slot_ways(mesh)
+    return ways if ways > 1 and capacity % ways == 0 else 1
 
 
 def init_cache(cfg: ModelConfig, segments, batch: int, capacity: int, dtype=jnp.bfloat16,
@@ -129,12 +203,13 @@ def init_cache(cfg: ModelConfig, segments, batch: int, capacity: int, dtype=jnp.
     model's `dtype`, or with e4m3 latents and indexer keys (`cache_dtype`, module docstring).
 
     Each array carries the cache's logical sharding: traced under a mesh (the sampler builds it
-    inside jit), every device allocates only its slots, never a replicated whole cache.
+    inside jit), every device allocates only its slots, never a replicated whole cache; the slots are laid out
+    strided over those devices (`slot_stride`, module docstring).
     """
     if capacity <= 0 or batch <= 0:
         raise ValueError(f"cache batch and capacity must be positive, got batch={batch} capacity={capacity}")
     return KVCache(**empty_stacks(cfg, segments, batch, capacity, dtype, CACHE_AXES, cache_dtype),
-                   length=jnp.zeros((), jnp.int32))
+                   length=jnp.zeros((), jnp.int32), stride=slot_stride(capacity))
 
 
 def empty_stacks(cfg: ModelConfig, segments, batch: int, slots: int, dtype, axes, cache_dtype: str = "auto") -> dict:
@@ -164,14 +239,15 @@ def cache_from_entries(new_c, new_r, new_i, seq: int, capacity: int, dtype, cach
                        scales: tuple | None = None) -> KVCache:
     """A cache holding a whole prompt's entries (per segment [repeats, U|F, B, S, *], slot order)
     in slots `0 .. S-1` of `capacity`, laid out as `init_cache` + `write_chunk` would leave it (the
-    latents and keys quantized per row with a quantized `cache_dtype`). `scales`: (c_scale, i_scale) when
-    new_c / new_i already hold `cache_fp8.store_rows`'s e4m3 values (quantized before a re-layout, which
-    then moves half the bytes), else None."""
+    latents and keys quantized per row with a quantized `cache_dtype`; strided over the current mesh's slot
+    devices, `slot_stride`). `scales`: (c_scale, i_scale) when new_c / new_i already hold `cache_fp8.store_rows`'s
+    e4m3 values (quantized before a re-layout, which then moves half the bytes), else None."""
+    layout = SlotLayout(slot_stride(capacity))
 
     def fill(chunk, dt, fill_value=0):
         chunk = chunk.astype(dt)
         pad = ((0, 0),) * 3 + ((0, capacity - seq),) + ((0, 0),) * (chunk.ndim - 4)
-        full = jnp.pad(chunk, pad, constant_values=fill_value)
+        full = layout.from_slots(jnp.pad(chunk, pad, constant_values=fill_value), 3)
         return constrain(full, CACHE_AXES[:full.ndim])
 
     quantized = cache_fp8.quantized(cache_dtype)
@@ -183,7 +259,8 @@ def cache_from_entries(new_c, new_r, new_i, seq: int, capacity: int, dtype, cach
     values = cache_fp8.values_dtype(cache_dtype, dtype)
     return KVCache(tuple(fill(a, values) for a in new_c), tuple(fill(a, dtype) for a in new_r),
                    tuple(fill(a, values) for a in new_i), jnp.asarray(seq, jnp.int32),
-                   tuple(fill(a, jnp.float32, 1.0) for a in c_scale), tuple(fill(a, jnp.float32, 1.0) for a in i_scale))
+                   tuple(fill(a, jnp.float32, 1.0) for a in c_scale), tuple(fill(a, jnp.float32, 1.0) for a in i_scale),
+                   stride=layout.ways)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +270,8 @@ class LayerCacheView:
     c_kv / k_rope: the segment's [repeats, U, B, Cap, *] stacks, `slot` = (repeat, unit slot);
     index_k: the segment's [repeats, F, B, Cap, I] stack with `index_slot` = (repeat, full slot),
     or None on a 'shared' layer. `length`: cached tokens ([] int32). c_scale [repeats, U, B, Cap] /
-    i_scale [repeats, F, B, Cap]: the per-row scales of e4m3 c_kv / index_k, else None.
+    i_scale [repeats, F, B, Cap]: the per-row scales of e4m3 c_kv / index_k, else None. `stride`: the
+    cache's slot layout (`KVCache.stride`).
     """
 
     c_kv: jax.Array
@@ -204,6 +282,7 @@ class LayerCacheView:
     length: jax.Array
     c_scale: jax.Array | None = None
     i_scale: jax.Array | None = None
+    stride: int = 1
 
     @property
     def capacity(self) -> int:
@@ -220,6 +299,7 @@ class SegmentCache:
     length: jax.Array
     c_scale: jax.Array | None = None  # [repeats, U, B, Cap] with an e4m3 c_kv
     i_scale: jax.Array | None = None  # [repeats, F, B, Cap] with an e4m3 index_k
+    stride: int = 1  # `KVCache.stride`
 
     def layer(self, rep, slot: int, full_slot: int | None) -> LayerCacheView:
         """The view of unit layer `slot` at repeat `rep`; `full_slot`: its index among the unit's
@@ -227,7 +307,7 @@ class SegmentCache:
         full = full_slot is not None
         return LayerCacheView(self.c_kv, self.k_rope, self.index_k if full else None, (rep, slot),
                               (rep, full_slot) if full else None, self.length, self.c_scale,
-                              self.i_scale if full else None)
+                              self.i_scale if full else None, self.stride)
 
 
 def write_chunk(cache: KVCache, new_c, new_r, new_i, seq: int) -> KVCache:
@@ -235,19 +315,19 @@ def write_chunk(cache: KVCache, new_c, new_r, new_i, seq: int) -> KVCache:
     A quantized cache stores the latents and keys as e4m3 rows and their scales (`cache_fp8.store_rows`).
 
     One `dynamic_update_slice` per stacked array: under jit, with the cache in a loop carry or
-    donated, XLA updates it in place instead of copying the whole cache per layer. Under a mesh
-    that shards the slot axis, each device updates its own shard (`_write_local`).
+    donated, XLA updates it in place instead of copying the whole cache per layer. A strided cache
+    (`cache.stride` > 1) is written per device, each updating its own rows (`_write_sharded`).
     """
-    axes, ways = slot_axes(), slot_ways()
-    sharded = ways > 1 and cache.capacity % ways == 0
+    layout = cache.layout
+    axes = check_slot_mesh(layout.ways)
 
     def put(stack, chunk):
         chunk = chunk.astype(stack.dtype)
-        if sharded:
-            updated = _write_sharded(stack, chunk, cache.length, axes)
+        if layout.ways > 1:
+            updated = _write_sharded(stack, chunk, cache.length, axes, layout)
         else:
-            # Also the fallback for a capacity the slot shards do not divide (the sampler never makes
-            # one: `slot_capacity`): correct, but GSPMD may gather the stack around the update.
+            # Slot order: one device, or a capacity the slot shards do not divide (the sampler never makes one:
+            # `slot_capacity`): correct, but GSPMD may gather the stack around the update under a mesh.
             updated = jax.lax.dynamic_update_slice(stack, chunk, (0, 0, 0, cache.length) + (0,) * (stack.ndim - 4))
         # The sequence axis stays sharded (context parallel) under a mesh; a no-op without one.
         return constrain(updated, CACHE_AXES[:stack.ndim])
@@ -257,12 +337,14 @@ def write_chunk(cache: KVCache, new_c, new_r, new_i, seq: int) -> KVCache:
     new_i, i_scale = cache_fp8.store_rows(new_i, quantized)
     return KVCache(tuple(map(put, cache.c_kv, new_c)), tuple(map(put, cache.k_rope, new_r)),
                    tuple(map(put, cache.index_k, new_i)), cache.length + seq,
-                   tuple(map(put, cache.c_scale, c_scale)), tuple(map(put, cache.i_scale, i_scale)))
+                   tuple(map(put, cache.c_scale, c_scale)), tuple(map(put, cache.i_scale, i_scale)),
+                   stride=cache.stride)
 
 
-def slot_axes() -> tuple[str, ...]:
-    """Mesh axes (of size > 1) the current mesh and rules shard the cache's slot axis over; () outside a mesh."""
-    mesh = jax.sharding.get_abstract_mesh()
+def slot_axes(mesh=None) -> tuple[str, ...]:
+    """Mesh axes (of size > 1) `mesh` (default: the current mesh) and the rules shard the cache's slot axis over;
+    () outside a mesh."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     if mesh.empty:
         return ()
     part = logical_to_spec(CACHE_AXES, mesh_axes=mesh.axis_names)[3]
@@ -270,9 +352,23 @@ def slot_axes() -> tuple[str, ...]:
     return tuple(n for n in names if mesh.shape[n] > 1)
 
 
-def _write_sharded(stack: jax.Array, chunk: jax.Array, length: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """`stack: [reps, U|F, B, Cap, *]` with slots sharded on `axes`, `chunk: [reps, U|F, B, S, *]`
-    (same dtype) written at global slot `length`, each device touching only its own slots. `*` is the
+def check_slot_mesh(stride: int) -> tuple[str, ...]:
+    """The slot axes of the current mesh for a cache laid out `stride` ways; a ValueError when they are not
+    `stride` devices (the cache was made under another mesh: its rows would be read from the wrong slots)."""
+    if stride == 1:
+        return ()
+    axes = slot_axes()
+    if slot_ways() != stride:
+        raise ValueError(f"a KV cache laid out over {stride} slot shards is used where the mesh splits slots "
+                         f"{slot_ways()} ways; use it under the mesh it was made on, or convert it with "
+                         f"cache.relayout({slot_ways()})")
+    return axes
+
+
+def _write_sharded(stack: jax.Array, chunk: jax.Array, length: jax.Array, axes: tuple[str, ...],
+                   layout: SlotLayout) -> jax.Array:
+    """`stack: [reps, U|F, B, Cap, *]` with slots laid out by `layout` over `axes`, `chunk: [reps, U|F, B, S, *]`
+    (same dtype) written at global slots `length ..`, each device touching only its own rows. `*` is the
     feature axis, or none for a scale stack.
 
     A `dynamic_update_slice` at a traced offset on a sharded axis makes GSPMD all-gather the whole
@@ -283,28 +379,28 @@ def _write_sharded(stack: jax.Array, chunk: jax.Array, length: jax.Array, axes: 
     slots = P(None, None, None, axes, *(None,) * (stack.ndim - 4))
 
     def local(stack, chunk, length):
-        return _write_local(stack, chunk, length, jax.lax.axis_index(axes) * stack.shape[3])
+        return _write_local(stack, chunk, length, jax.lax.axis_index(axes), layout)
 
     return jax.shard_map(local, in_specs=(slots, P(), P()), out_specs=slots, axis_names=frozenset(axes))(
         stack, chunk, length)
 
 
-def _write_local(shard: jax.Array, chunk: jax.Array, length: jax.Array, base: jax.Array) -> jax.Array:
-    """One device's part of a chunk write: `shard: [reps, U|F, B, Cap_local, *]` holds global slots
-    `base .. base + Cap_local - 1`; `chunk: [reps, U|F, B, S, *]` goes to global slots `length ..
-    length + S - 1`, of which this shard takes those in its range (none, some at either end of a
-    chunk that straddles a shard boundary, or all).
+def _write_local(shard: jax.Array, chunk: jax.Array, length: jax.Array, device: jax.Array,
+                 layout: SlotLayout) -> jax.Array:
+    """One device's part of a chunk write: `shard: [reps, U|F, B, Cap_local, *]` holds the rows of `device`
+    (`layout`); `chunk: [reps, U|F, B, S, *]` goes to global slots `length .. length + S - 1`, of which this
+    device holds at most ceil(S / ways), at consecutive local rows from `layout.filled(length, device)`.
 
-    The update is a window of W = min(S, Cap_local) local slots placed to cover the chunk's overlap
-    with the shard: read (`dynamic_slice`), chunk rows put where they land, written back
-    (`dynamic_update_slice`) at the same offset, so XLA updates the shard in place and the select
-    only spans W slots. Slots of the window outside the chunk keep their values.
+    The update is a window of W = min(ceil(S / ways), Cap_local) local rows placed to cover them: read
+    (`dynamic_slice`), chunk rows put where they land, written back (`dynamic_update_slice`) at the same
+    offset, so XLA updates the shard in place and the select only spans W rows. Rows of the window outside
+    the chunk keep their values.
     """
     local_cap, seq = shard.shape[3], chunk.shape[3]
-    window = min(seq, local_cap)
-    start = jnp.clip(length - base, 0, local_cap - window)
-    # The chunk row that lands on each window slot: global slot (base + start + j) - length.
-    rows = base + start - length + jnp.arange(window, dtype=jnp.int32)
+    window = min(-(-seq // layout.ways), local_cap)
+    start = jnp.clip(layout.filled(length, device), 0, local_cap - window)
+    # The chunk row that lands on each window row: its global slot minus `length`.
+    rows = layout.slot(device, start + jnp.arange(window, dtype=jnp.int32)) - length
     lands = (rows >= 0) & (rows < seq)
     incoming = jnp.take(chunk, rows, axis=3, mode="clip")  # rows that do not land are masked below
     current = jax.lax.dynamic_slice_in_dim(shard, start, window, axis=3)

@@ -100,18 +100,17 @@ class Attention(nnx.Module):
             return y, topk, (c_kv, k_rope, ik)
         q_lat, q_rope = self._query(q_resid, cos, sin)
         shared = isinstance(cache, SharedLayerView)
-        sharded_cache = None if cache is None or shared else context.cached_layout(
-            x.shape[0] * x.shape[1], cache.capacity, self.opts.context_parallel)
+        # The cache's slot layout, not `opts.context_parallel`, decides: a strided cache has only the CP reader.
+        sharded_cache = None if cache is None or shared else context.cached_layout(cache.stride)
         if shared:  # G rows against one batch-1 prompt cache and their own suffixes
             out_lat, topk = shared_cache.attention(
                 q_lat, q_rope, c_kv, k_rope, positions, cache, None if self.indexer is None else (iq, iw, ik),
                 prev_topk if self.indexer is None else None, index_topk=cfg.index_topk, index_scale=iscale,
                 softmax_scale=cfg.softmax_scale, indexer_blocks=blocks,
-                attention_query_block=self.opts.attention_query_block, kernels=self.opts.kernels,
-                context_parallel=self.opts.context_parallel)
+                attention_query_block=self.opts.attention_query_block, kernels=self.opts.kernels)
         elif sharded_cache is not None:  # each device scores and attends to the cache slots it holds
             out_lat, topk = context.cp_cached_attention(
-                sharded_cache[0], q_lat, q_rope, c_kv, k_rope, positions, cache,
+                sharded_cache, q_lat, q_rope, c_kv, k_rope, positions, cache,
                 None if self.indexer is None else (iq, iw, ik), prev_topk if self.indexer is None else None,
                 index_topk=cfg.index_topk, index_scale=iscale, softmax_scale=cfg.softmax_scale,
                 indexer_blocks=blocks)

@@ -19,7 +19,8 @@ class ModelOptions:
     `lora`: low-rank adapters on the frozen base (see `model.lora`); None (default) builds none.
     `context_parallel`: how a whole-sequence forward runs attention when a mesh shards `seq`:
     "zigzag" (load-balanced layout) or "contiguous" explicit CP (`model.context_parallel`), or "off"
-    (GSPMD places it). Cached chunks (prefill, decode) are not affected.
+    (GSPMD places it). Cached chunks (prefill, decode) are not affected: a cache made under a mesh that shards its
+    slots is strided over them (`kv_cache.SlotLayout`) and always read by the explicit path.
     `moe_token_block`: the expert-parallel MoE routes at most this many of a device's tokens per
     all-to-all round (a whole-prompt prefill holds 64K tokens per device at 2M; the exchange
     buffers grow with the tokens routed at once).

@@ -29,8 +29,8 @@ device attends to the selected rows it owns; the partial softmaxes combine by lo
 against its own cache. The suffix is replicated over the slot axes (`SUFFIX_AXES`): it is small
 (G x R_cap rows per layer), every device needs every row of it for the merge, and the chunk's
 entries are computed replicated there anyway, so the write needs no communication. A selected
-suffix row is owned by the device its slot would sit on in the prompt's slot layout (the last
-device past the prompt's capacity), so each row counts once in the combine.
+suffix row is owned by the device its slot would sit on in the prompt's strided slot layout
+(`kv_cache.SlotLayout`), so each row counts once in the combine.
 
 With an FP8 cache (`model/cache_fp8.py`) both the prompt cache and the suffix hold e4m3 latents and keys
 with per-row scales: the prompt's selected rows are gathered with their scales and dequantized, the prompt's
@@ -205,7 +205,7 @@ class SharedLayerView:
 
 def attention(q_lat, q_rope, c_new, r_new, positions, view: SharedLayerView, index, prev_topk, *, index_topk: int,
               index_scale: float, softmax_scale: float, indexer_blocks: dict, attention_query_block: int,
-              kernels: str, context_parallel: str):
+              kernels: str):
     """A chunk's sparse MLA for G rows against the shared prompt and each row's suffix.
 
     q_lat: [G,S,H,C], q_rope: [G,S,H,R], c_new: [G,S,C], r_new: [G,S,R], positions: [S] (every row's);
@@ -227,7 +227,7 @@ def attention(q_lat, q_rope, c_new, r_new, positions, view: SharedLayerView, ind
                                    return_scores=True, loop_name=SUFFIX_KEY_LOOP, **indexer_blocks)
         suffix_candidates = (vals, jnp.where(idx >= 0, idx + prompt.length, idx))
     scoring = dict(topk=index_topk, kk=kk, scale=index_scale, blocks=indexer_blocks)
-    sharded = context.cached_layout(rows * seq, prompt.capacity, context_parallel)
+    sharded = context.cached_layout(prompt.stride)
     if sharded is not None:
         return _context_parallel(sharded, q_lat, q_rope, suffix_c, suffix_r, positions, prompt, query_index,
                                  suffix_candidates, prev_topk, scoring, softmax_scale)
@@ -257,9 +257,9 @@ def prompt_candidates(iq, iw, keys, index_slot, positions, length, scoring: dict
 
 def _context_parallel(sharded, q_lat, q_rope, suffix_c, suffix_r, positions, prompt: LayerCacheView, query_index,
                       suffix_candidates, prev_topk, scoring: dict, softmax_scale: float):
-    """`attention` with the prompt's slots sharded on `sharded = (axes, ways)`: each device scores and
-    attends to its own prompt slots; candidates all-gathered, partial softmaxes combined by LSE."""
-    axes, ways = sharded
+    """`attention` with the prompt's slots laid out over `sharded = (axes, layout)` (`context.cached_layout`): each
+    device scores and attends to its own prompt slots; candidates all-gathered, partial softmaxes combined by LSE."""
+    axes, layout = sharded
     replicated = P()
     slots = P(None, None, None, axes, None)
     scale_slots = P(None, None, None, axes)
@@ -268,22 +268,20 @@ def _context_parallel(sharded, q_lat, q_rope, suffix_c, suffix_r, positions, pro
                    query_index, suffix_candidates, prev_topk, cache_cs, cache_is):
         local_cap = cache_c.shape[-2]
         me = jax.lax.axis_index(axes)
-        base = me * local_cap
         if query_index is not None:
-            local_len = jnp.clip(length - base, 0, local_cap)
-            vals, idx = prompt_candidates(*query_index, cache_i, index_slot, positions, local_len, scoring, cache_is)
-            idx = jnp.where(idx >= 0, idx + base, idx)
-            # [N,G,S,k] -> [G,S,N*k]: device order is slot order, so ties keep the lowest slot.
-            cand = tuple(jnp.moveaxis(jax.lax.all_gather(a, axes), 0, 2).reshape(*a.shape[:2], -1) for a in (vals, idx))
-            topk = merge_topk(cand, suffix_candidates, scoring["kk"])
+            vals, idx = prompt_candidates(*query_index, cache_i, index_slot, positions, layout.filled(length, me),
+                                          scoring, cache_is)
+            cand = context.gather_candidates(vals, layout.slot(me, idx), idx >= 0, axes)
+            topk = merge_topk(cand, suffix_candidates, scoring["kk"], ties="slot")
         else:
             topk = prev_topk
-        keep = (topk >= 0) & (jnp.minimum(topk // local_cap, ways - 1) == me)
+        # A suffix slot (>= length) is owned by the device its slot would sit on in the prompt's layout.
+        keep = (topk >= 0) & (layout.device(topk) == me)
         lead = tuple(jnp.asarray(i, jnp.int32) for i in slot)
 
         def rows(idx):  # [G,S,k] selected slots -> their rows: the prompt's (this device's), else the suffix's
             in_prompt = idx < length
-            local = jnp.clip(idx - base, 0, local_cap - 1)
+            local = jnp.clip(layout.row(idx), 0, local_cap - 1)
             own = jnp.clip(idx - length, 0, suffix_c.shape[1] - 1)
 
             def selected(cached, scales, fresh):  # [G,S,k,*]

@@ -7,6 +7,7 @@ run with real weights would, and per-device bytes follow from the shardings.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -18,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from glm52_jax.checkpoint import hf, hf_fp8
-from glm52_jax.model.kv_cache import CACHE_AXES, KVCache, init_cache, scale_axes
+from glm52_jax.model.kv_cache import CACHE_AXES, KVCache, init_cache, scale_axes, slot_stride
 from glm52_jax.model.shared_cache import SUFFIX_AXES, SuffixCache, init_suffix
 from glm52_jax.model.transformer import GlmMoeDsa, layer_kinds, plan_segments
 from glm52_jax.parallel.placement import sharding_for
@@ -104,7 +105,8 @@ def abstract_cache(cfg, segments, batch: int, capacity: int, dtype, mesh, cache_
     """A KVCache of ShapeDtypeStructs ([batch, capacity] slots per layer, stored as `cache_dtype`), slots
     sharded like `write_chunk` keeps them (CACHE_AXES); the `length` scalar replicated."""
     shapes = jax.eval_shape(lambda: init_cache(cfg, segments, batch, capacity, dtype, cache_dtype))
-    return _abstract(shapes, CACHE_AXES, mesh)
+    # Laid out over the mesh's slot shards as `init_cache` lays it out under that mesh (traced here without one).
+    return dataclasses.replace(_abstract(shapes, CACHE_AXES, mesh), stride=slot_stride(capacity, mesh))
 
 
 def abstract_suffix(cfg, segments, rows: int, capacity: int, dtype, mesh, cache_dtype: str = "auto") -> SuffixCache:

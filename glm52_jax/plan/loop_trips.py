@@ -12,7 +12,8 @@ scope, its mean trips per execution of the loop on the device that does the most
           (whole-sequence forwards under the context-parallel layout: each device's query blocks against the
           whole gathered sequence; a cached chunk's queries against its own keys)
   cached  `cached_topk`: ceil(filled slots / key block) per query block; under context parallelism a device
-          scores only its own slots, so the device holding the first (always filled) slots does the most
+          scores only its own slots, dealt round-robin (`kv_cache.SlotLayout`): every device within one slot
+          of the mean
   suffix  a sample's own suffix slots (decode, response log-probs): causal over the suffix
 The EP pass loop is not counted here: its passes are a stated parameter of the efficiency table's scenarios.
 A program's loops and the shapes behind them are documented with each builder in `plan/programs.py`.
@@ -29,6 +30,7 @@ import numpy as np
 from glm52_jax import kernels
 from glm52_jax.model import context_parallel as cp
 from glm52_jax.model.indexer import cached_blocks, causal_blocks
+from glm52_jax.model.kv_cache import SlotLayout
 from glm52_jax.model.loop_scopes import CACHED_KEY_LOOP, CAUSAL_KEY_LOOP, SUFFIX_KEY_LOOP
 
 
@@ -66,10 +68,10 @@ def cached_trips(length: int, key_block: int) -> int:
     return -(-int(length) // key_block)
 
 
-def _local_lengths(length: int, capacity: int, ways: int) -> np.ndarray:
-    """Filled slots of each device's contiguous share of a cache of `capacity` slots ([ways])."""
-    local = capacity // ways
-    return np.clip(length - np.arange(ways) * local, 0, local)
+def _local_lengths(length: int, ways: int) -> np.ndarray:
+    """Filled slots of each device's share of a cache holding `length` ([ways]), in the model's strided slot layout
+    (`kv_cache.SlotLayout`: every device within one slot of length / ways)."""
+    return SlotLayout(ways).filled(int(length), np.arange(ways))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +132,7 @@ class Counter:
         ways = sh.seq_ways if sharded and capacity % max(sh.seq_ways, 1) == 0 else 1
         qb, kb = sh.cached_blocks(queries, capacity // ways)
         blocks = -(-queries // qb)
-        per_device = np.array([cached_trips(n, kb) for n in _local_lengths(length, capacity, ways)]) * blocks
+        per_device = np.array([cached_trips(n, kb) for n in _local_lengths(length, ways)]) * blocks
         per_device = np.broadcast_to(per_device, (max(sh.seq_ways, 1),)) if ways == 1 else per_device
         self._add(CACHED_KEY_LOOP, per_device * times, blocks * times)
 

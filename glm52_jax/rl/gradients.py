@@ -33,7 +33,7 @@ from flax import nnx
 
 from glm52_jax.choices import GRADIENT_MODES
 from glm52_jax.model.context_parallel import MAX_CACHED_QUERIES
-from glm52_jax.model.kv_cache import KVCache, slot_capacity, slot_ways
+from glm52_jax.model.kv_cache import KVCache, slot_capacity, slot_stride, slot_ways
 from glm52_jax.model.lora import LoRA
 from glm52_jax.model.transformer import target_logprobs
 from glm52_jax.rl import grpo
@@ -206,7 +206,9 @@ def _shared_prefix(graphdef, lora, frozen, prompt, batch, settings, norm, chunk,
 
     def logprobs(params, response):
         lora, arrays = params
-        return cached_logprobs(nnx.merge(graphdef, lora, frozen), KVCache(*arrays, length), prompt[-1],
+        # `prefill` lays its cache out as `slot_stride` says for this capacity under the current mesh.
+        cache = KVCache(*arrays, length, stride=slot_stride(capacity))
+        return cached_logprobs(nnx.merge(graphdef, lora, frozen), cache, prompt[-1],
                                response[None], chunk)[0]
 
     # Per sample: gradients for the LoRA params and for the prefix cache, both summed over samples.

@@ -33,21 +33,32 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 def fit_capacity(cache: KVCache, capacity: int) -> KVCache:
     """The same cache with its slot axis cut or padded to `capacity` (length must fit): new slots hold zeros
-    (an FP8 cache's scales: ones, as an empty cache's)."""
+    (an FP8 cache's scales: ones, as an empty cache's). A strided cache (`KVCache.stride`) is cut or padded per
+    device, rows past each device's last (its slots stay where the slot layout of `capacity` puts them)."""
     current = cache.capacity
     if capacity == current:
         return cache
+    ways = cache.stride
+    if capacity % ways:
+        raise ValueError(f"a cache laid out over {ways} slot shards cannot hold {capacity} slots: use a multiple "
+                         f"of {ways} (`kv_cache.slot_capacity`)")
 
     def fit(a, fill=0):
-        if capacity < current:
-            return a[:, :, :, :capacity]
-        return jnp.pad(a, [(0, 0)] * 3 + [(0, capacity - current)] + [(0, 0)] * (a.ndim - 4), constant_values=fill)
+        # [.., Cap, *] -> [.., ways, Cap / ways, *]: each device's rows, in the slot layout's device-major order.
+        a = a.reshape(*a.shape[:3], ways, current // ways, *a.shape[4:])
+        local = capacity // ways
+        if local < current // ways:
+            a = a[:, :, :, :, :local]
+        else:
+            a = jnp.pad(a, [(0, 0)] * 4 + [(0, local - current // ways)] + [(0, 0)] * (a.ndim - 5),
+                        constant_values=fill)
+        return a.reshape(*a.shape[:3], capacity, *a.shape[5:])
 
     def fit_all(stacks, fill=0):
         return tuple(fit(a, fill) for a in stacks)
 
     return KVCache(fit_all(cache.c_kv), fit_all(cache.k_rope), fit_all(cache.index_k), cache.length,
-                   fit_all(cache.c_scale, 1), fit_all(cache.i_scale, 1))
+                   fit_all(cache.c_scale, 1), fit_all(cache.i_scale, 1), stride=ways)
 
 
 class PrefixCache:

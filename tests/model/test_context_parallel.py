@@ -8,6 +8,7 @@ import pytest
 
 from glm52_jax.model import context_parallel
 from glm52_jax.model.context_parallel import _partial_attention
+from glm52_jax.model.kv_cache import SlotLayout
 
 
 def test_partial_attention_gradient_is_finite_when_a_masked_key_dominates():
@@ -24,8 +25,9 @@ def test_partial_attention_gradient_is_finite_when_a_masked_key_dominates():
     r_new = jnp.zeros((1, 1, 2))
 
     def loss(q_lat, cache_c, c_new):
+        # Device 0 of 2 (slot 0 is its row 0; slot 1 is device 1's), outside any mesh: no combine.
         out = _partial_attention(q_lat, q_rope, topk, cache_c, cache_r, (), c_new, r_new, jnp.int32(1),
-                                 jnp.int32(0), 1, 1.0, ())
+                                 jnp.int32(0), SlotLayout(2), 1.0, ())
         return jnp.sum(out), out
 
     (value, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q_lat, cache_c, c_new)
@@ -51,7 +53,8 @@ def _dense_attention(q_lat, q_rope, topk, cache_c, cache_r, c_new, r_new, length
 @pytest.mark.parametrize("quantized", [False, True])
 @pytest.mark.parametrize("key_block", [8, 64])
 def test_partial_attention_over_a_slot_sharded_cache_equals_one_softmax(quantized, key_block):
-    """8 devices each hold 8 of 64 cache slots (40 filled) and attend only to the selected keys they hold, in
+    """8 devices each hold 8 of 64 cache slots (40 filled; strided, `SlotLayout`: device d holds d, d + 8, ..)
+    and attend only to the selected keys they hold, in
     blocks of `key_block` (8: several blocks, the empty ones skipped); the log-sum-exp combine equals one softmax
     over all 24 selected keys (cache rows and the chunk's own 3 rows; some queries select padding, -1), and so
     do the gradients. Quantized: e4m3 rows with per-row scales, against the dequantized rows."""
@@ -82,20 +85,20 @@ def test_partial_attention_over_a_slot_sharded_cache_equals_one_softmax(quantize
 
     def sharded(q_lat, q_rope, cache_c, cache_r, c_new, r_new, scales):
         def per_device(q_lat, q_rope, cache_c, cache_r, c_new, r_new, scales):
-            local = cache_c.shape[1]
             return context_parallel._partial_attention(
                 q_lat, q_rope, topk, cache_c, cache_r, (), c_new, r_new, jnp.int32(length),
-                jax.lax.axis_index("x") * local, local, 0.3, ("x",), scales)
+                jax.lax.axis_index("x"), layout, 0.3, ("x",), scales)
 
         fn = jax.shard_map(per_device, mesh=mesh, in_specs=(rep, rep, slots, slots, rep, rep,
                                                             None if scales is None else slots),
                            out_specs=rep, check_vma=False)
         return fn(q_lat, q_rope, cache_c, cache_r, c_new, r_new, scales)
 
+    layout = SlotLayout(ways)
     put = lambda a, spec: jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))  # noqa: E731
-    args = (put(q_lat, rep), put(q_rope, rep), put(cache_c, slots), put(cache_r, slots), put(c_new, rep),
-            put(r_new, rep))
-    scales = None if scales is None else put(scales, slots)
+    strided = lambda a: put(layout.from_slots(a, 1), slots)  # noqa: E731  slot order -> each device's rows
+    args = (put(q_lat, rep), put(q_rope, rep), strided(cache_c), strided(cache_r), put(c_new, rep), put(r_new, rep))
+    scales = None if scales is None else strided(scales)
     dense = lambda ql, qr, cc, cr, cn, rn: _dense_attention(ql, qr, topk, cc, cr, cn, rn, length, 0.3)  # noqa: E731
     with_block = lambda *a: sharded(*a, scales)  # noqa: E731
     old = context_parallel.KEY_BLOCK
@@ -109,6 +112,7 @@ def test_partial_attention_over_a_slot_sharded_cache_equals_one_softmax(quantize
     want_grads = jax.grad(lambda *a: jnp.sum(jnp.sin(dense(*a))), argnums=(0, 1, 3, 4, 5))(
         q_lat, q_rope, dense_c, cache_r, c_new, r_new)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    grads = (*grads[:2], layout.to_slots(np.asarray(grads[2]), 1), *grads[3:])  # the cache rope gradient, slot order
     for g, w in zip(grads, want_grads, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
 

@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from glm52_jax.model import context_parallel
+from glm52_jax.model.kv_cache import SlotLayout
 from glm52_jax.plan.hlo import COLLECTIVE_OPCODES, dims, parse_hlo
 
 WAYS, CAP, LENGTH, B, S, H, C, R = 8, 256, 200, 2, 4, 4, 16, 8
@@ -24,10 +25,9 @@ def _all_reduce_sizes(k: int) -> list[int]:
 
     def attention(q_lat, q_rope, cache_c, cache_r, c_new, r_new):
         def per_device(q_lat, q_rope, cache_c, cache_r, c_new, r_new):
-            local = cache_c.shape[1]
             return context_parallel._partial_attention(
                 q_lat, q_rope, topk, cache_c, cache_r, (), c_new, r_new, jnp.int32(LENGTH),
-                jax.lax.axis_index("x") * local, local, 0.1, ("x",))
+                jax.lax.axis_index("x"), SlotLayout(WAYS), 0.1, ("x",))
 
         fn = jax.shard_map(per_device, mesh=mesh, in_specs=(rep, rep, slots, slots, rep, rep), out_specs=rep,
                            check_vma=False)

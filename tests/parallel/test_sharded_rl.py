@@ -203,7 +203,8 @@ def test_greedy_decode_matches_and_cache_is_sharded(model, prompt, reference_sam
     # The chunks (16 tokens) straddle folded=8's 8-slot shards, each device writing its own part in place;
     # decode writes each step's token into the (replicated) suffix. The entries come from sharded compute
     # (equal up to rounding; the writes alone are bit-exact: tests/model/test_kv_cache.py).
-    for got_cache, want_cache in ((cache, reference_sampling[0]), (decoded, reference_sampling[3])):
+    assert cache.stride == _seq_ways(mesh, spec)  # strided over the slot shards; compared in slot order
+    for got_cache, want_cache in ((cache.relayout(1), reference_sampling[0]), (decoded, reference_sampling[3])):
         assert int(got_cache.length) == int(want_cache.length)
         for got, want in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
             assert got.shape == want.shape and got.dtype == want.dtype
@@ -226,7 +227,7 @@ def test_long_cached_chunks_run_in_query_blocks(model, prompt, reference_samplin
             assert "shard_map" in str(chunk) and "pmax" in str(chunk)  # the explicit path, in a loop over blocks
             out = sampler.sample(prompt, GREEDY)
     np.testing.assert_allclose(np.asarray(h_last), np.asarray(ref_h), rtol=1e-5, atol=1e-5)
-    for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(ref_cache)):
+    for got, want in zip(jax.tree.leaves(cache.relayout(1)), jax.tree.leaves(ref_cache)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(out.tokens, ref.tokens)
 
@@ -314,7 +315,8 @@ def test_whole_prompt_prefill_is_context_parallel_and_matches_chunked(model, pro
             out = sampler.sample(prompt, GREEDY)
     assert int(cache.length) == P
     np.testing.assert_allclose(np.asarray(h_last), np.asarray(ref_h), rtol=1e-5, atol=1e-5)
-    for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(ref_cache)):
+    assert cache.stride == _seq_ways(mesh, spec)  # the re-layout put the slots where the chunked writes do
+    for got, want in zip(jax.tree.leaves(cache.relayout(1)), jax.tree.leaves(ref_cache)):
         assert got.shape == want.shape and got.dtype == want.dtype
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     _assert_cache_slots_sharded(cache, mesh, spec)

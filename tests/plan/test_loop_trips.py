@@ -89,9 +89,31 @@ def test_zigzag_layout_balances_the_causal_work():
 
 
 def test_cached_trips_follow_the_busiest_slot_shard():
-    """A cache of 1024 slots on 4 devices holding 300: device 0 scores 256 slots, device 1 the other 44."""
+    """A cache of 1024 slots on 4 devices holding 301, strided (`kv_cache.SlotLayout`): device 0 scores 76 slots
+    (0, 4, .., 300), the others 75; 5 key blocks of 16 each. (Contiguous shards would give device 0 all of its
+    256 slots, 16 blocks: 3.4x the mean.)"""
     c = loop_trips.Counter(loop_trips.Shapes(8, 16, "reference", 4, "zigzag"))
-    c.cached(8, 300, 1024)
+    c.cached(8, 301, 1024)
     d = c.result()["detail"][CACHED_KEY_LOOP]
-    assert d["busiest_total"] == 256 // 16 and d["executions"] == 1
-    assert d["mean_device_total"] == (16 + 3) / 4
+    assert d["busiest_total"] == 5 and d["mean_device_total"] == 5 and d["executions"] == 1
+
+
+def test_prefill_chunks_are_balanced_on_every_device():
+    """The plan's chunked prefill (128 chunks of 16K on 8 slot shards, the 2M one-node shape) replays the model's
+    slot layout: every device scores within one key block of the others on each chunk, so the busiest does the
+    mean (the contiguous layout's busiest device did ~1.88x the mean)."""
+    chunk, chunks, ways = 16_384, 128, 8
+    capacity = chunk * chunks
+    shapes = loop_trips.Shapes(128, 512, "reference", ways, "zigzag", gpu=False)
+    total = loop_trips.Counter(shapes)
+    for k in range(1, chunks):
+        one = loop_trips.Counter(shapes)
+        one.cached(cp.MAX_CACHED_QUERIES, k * chunk, capacity)
+        total.cached(cp.MAX_CACHED_QUERIES, k * chunk, capacity)
+        trips = one.result()["detail"][CACHED_KEY_LOOP]
+        assert trips["imbalance"] <= 1.1, (k, trips)
+    assert total.result()["detail"][CACHED_KEY_LOOP]["imbalance"] < 1.01
+    # What contiguous shards would hold: device 0 fills first and scores a full shard from chunk 16 on.
+    local = capacity // ways
+    contiguous = np.array([np.clip(k * chunk - np.arange(ways) * local, 0, local) for k in range(1, chunks)]).sum(0)
+    assert contiguous.max() / contiguous.mean() > 1.8
