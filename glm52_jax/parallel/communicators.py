@@ -3,13 +3,13 @@
 XLA:CPU's gloo collectives build a communicator the FIRST time a program runs a collective over a given list of
 devices, and that build is a rendezvous through the coordinator's key-value store that gives the other processes
 30 s to arrive (a fixed limit inside XLA). Processes of one run reach a program's first collective at different
-times whenever one of them spends longer before it: on this project's CPU machines a compile that one process
-reads from the persistent compilation cache and the other compiles (JAX writes the cache from process 0 only;
-the parity programs compile in 100-330 s on 2 cores) is minutes of difference. Past 30 s the early process fails
-with "Gloo context initialization failed: DEADLINE_EXCEEDED: GetKeyValue() timed out" (measured on the 2-process
-rehearsal parity: 2 runs of 2 with a warm cache); if only some of its devices' builds time out, the others are
-left waiting in the collective for peers that never come: every process idle, nothing said (session 5's hangs).
-scripts/repro/gloo_first_use.py shows both without this project.
+times whenever one of them spends longer before it: a compile that one process reads from the persistent
+compilation cache and the other compiles (JAX writes the cache from process 0 only, and on CPU process 1's keys
+never match) was minutes of difference on the 2-process rehearsal parity (the parity programs compile in 100-330 s
+on 2 cores). Past 30 s the early process fails with "Gloo context initialization failed: DEADLINE_EXCEEDED:
+GetKeyValue() timed out" (2 runs of 2 with a warm cache, at the first all-device program). Multi-process CPU runs
+now compile on every process (distributed.initialize turns the cache off) but any other delay (a slow disk, a
+loaded host) meets the same limit. scripts/repro/gloo_first_use.py shows it without this project.
 
 Once built, a communicator is kept for the process's life and reused by every later program over the same
 devices, and a collective then waits for a late peer without that limit (XLA:CPU's own collective timeout is

@@ -142,6 +142,7 @@ def main():
     gram = jax.jit(lambda a: jnp.einsum("sij,skj->ik", a, a), out_shardings=NamedSharding(mesh, P()))(x)
     print(json.dumps({"process": group.process_id, "devices": jax.device_count(),
                       "local_devices": jax.local_device_count(), "total": float(total), "opened": opened,
+                      "compilation_cache": jax.config.jax_enable_compilation_cache,
                       "gram": np.asarray(gram).tolist(), "seconds": time.perf_counter() - start}), flush=True)
 
 
