@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from glm52_jax.parallel import communicators
 from glm52_jax.rl import settings
 from glm52_jax.rl.inputs import RunInputs
 from glm52_jax.run_config import ConfigError, RunSpec
@@ -57,7 +58,10 @@ def build_policy(spec: RunSpec, inputs: RunInputs, mesh=None, *, init_adapter: b
 
 def train_mesh(spec: RunSpec):
     """(MeshSpec, Mesh) for the run, or (spec, None) on one device; a mesh the run's devices (of every
-    process under jax.distributed) cannot fill is a config error (before any model work)."""
+    process under jax.distributed) cannot fill is a config error (before any model work).
+
+    Several processes on CPU: also opens the mesh's gloo communicators while the processes are in step (a
+    collective: every process calls this at the same point; parallel/communicators.py says why)."""
     import jax
 
     mesh_spec = spec.mesh_spec()
@@ -74,7 +78,9 @@ def train_mesh(spec: RunSpec):
         # A part of the devices would leave some processes without a device of the mesh.
         raise ConfigError(f"--config.mesh={spec.mesh} covers {mesh_spec.size} of the {jax.device_count()} devices "
                           f"of the {jax.process_count()} processes; a multi-process run's mesh must cover them all")
-    return mesh_spec, mesh_spec.make(jax.devices()[:mesh_spec.size])
+    mesh = mesh_spec.make(jax.devices()[:mesh_spec.size])
+    communicators.open_all(mesh)
+    return mesh_spec, mesh
 
 
 def mesh_line(mesh_spec) -> str:

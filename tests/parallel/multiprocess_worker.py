@@ -1,7 +1,11 @@
 """One process of the two-process CPU test (run by test_distributed.py, not collected by pytest).
 
-argv: mode (`sum` | `die` | `train OUT.npz`). Env: GLM52_COORDINATOR / GLM52_NUM_PROCESSES /
-GLM52_PROCESS_ID, XLA_FLAGS with 4 host devices. Prints one JSON line.
+argv: mode (`sum` | `die` | `train OUT.npz` | `late SECONDS open|closed`). Env: GLM52_COORDINATOR /
+GLM52_NUM_PROCESSES / GLM52_PROCESS_ID, XLA_FLAGS with 4 host devices. Prints one JSON line.
+
+`sum` opens the mesh's communicators first (parallel/communicators.py) and reports how many groups it opened.
+`late`: process 1 reaches the mesh's first reduction SECONDS after process 0, with the communicators opened
+before (`open`) or not (`closed`); each process reports the sum or the first line of its error.
 
 `train`: the tiny policy on the global context 4 x expert 2 mesh (each process owns 4 devices): a
 sharded forward, then one GRPO update (shared_prefix gradients + AdamW); process 0 writes the
@@ -63,6 +67,31 @@ def train_step(model, batch) -> dict[str, np.ndarray]:
     return to_host(out)
 
 
+def late(process: int, mesh, seconds: float, open_first: bool) -> None:
+    """Process 1 starts the mesh's first all-device reduction `seconds` after process 0 (see the module doc)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from glm52_jax.parallel import communicators
+
+    if open_first:
+        communicators.open_all(mesh)
+    x = jax.make_array_from_callback((8,), NamedSharding(mesh, P(("context", "expert"))),
+                                     lambda idx: np.arange(8, dtype=np.float32)[idx])
+    if process == 1:
+        time.sleep(seconds)
+    start = time.perf_counter()
+    try:
+        total = float(jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(x))
+        result = {"total": total}
+    except Exception as e:  # noqa: BLE001 (XLA's error is what the test looks at)
+        result = {"error": str(e).strip().splitlines()[0][:300]}
+    print(json.dumps({"process": process, "waited": time.perf_counter() - start, **result}), flush=True)
+    os._exit(0)  # the peer of a failed collective may never reach JAX's shutdown barrier
+
+
 def main():
     mode = sys.argv[1]
     from glm52_jax.parallel import distributed
@@ -93,7 +122,13 @@ def main():
                           "local_devices": jax.local_device_count(), "loss": float(out["loss"]),
                           "seconds": time.perf_counter() - start}), flush=True)
         return
+    from glm52_jax.parallel import communicators
+
     mesh = parse_mesh("context=4,expert=2").make()
+    if mode == "late":
+        late(group.process_id, mesh, float(sys.argv[2]), sys.argv[3] == "open")
+        return
+    opened = communicators.open_all(mesh)
     data = np.arange(8 * 6 * 5, dtype=np.float32).reshape(8, 6, 5) / 7.0
     sharding = NamedSharding(mesh, P(("context", "expert")))
     x = jax.make_array_from_callback(data.shape, sharding, lambda idx: data[idx])
@@ -106,7 +141,8 @@ def main():
     total = jax.jit(lambda a: jnp.sum(jnp.tanh(a) * 3.0), out_shardings=NamedSharding(mesh, P()))(x)
     gram = jax.jit(lambda a: jnp.einsum("sij,skj->ik", a, a), out_shardings=NamedSharding(mesh, P()))(x)
     print(json.dumps({"process": group.process_id, "devices": jax.device_count(),
-                      "local_devices": jax.local_device_count(), "total": float(total),
+                      "local_devices": jax.local_device_count(), "total": float(total), "opened": opened,
+                      "compilation_cache": jax.config.jax_enable_compilation_cache,
                       "gram": np.asarray(gram).tolist(), "seconds": time.perf_counter() - start}), flush=True)
 
 
