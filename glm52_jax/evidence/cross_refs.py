@@ -32,22 +32,30 @@ def _get(receipt: Mapping[str, Any], dotted: str) -> Any:
     return value
 
 
-def quoted_hash_failures(receipt: Mapping[str, Any]) -> list[str]:
-    """One line per quoted hash that differs from its artifact's manifest sha256 (the manifest's own check
-    ties that sha256 to the file's bytes); a quote whose artifact is not in the manifest is a failure too."""
+def _quotes(receipt: Mapping[str, Any], pairs, what: str, failures: list[str]):
+    """(key, quoted value, manifest entry) for each of `pairs` (dotted key, artifact name) the receipt quotes; a
+    quote whose artifact the manifest does not list is a failure line (`what`: "sha256" or "digest")."""
     manifest = receipt.get("manifest")
     if not isinstance(manifest, list):
-        return []
+        return
     by_name = {str(e.get("path", "")).rpartition("/")[2]: e for e in manifest if isinstance(e, Mapping)}
-    failures = []
-    for key, name in QUOTED_HASHES:
+    for key, name in pairs:
         quoted = _get(receipt, key)
         if quoted is None:
             continue
         entry = by_name.get(name)
         if entry is None:
-            failures.append(f"{key} quotes the sha256 of {name}, which the manifest does not list")
-        elif entry.get("sha256") != quoted:
+            failures.append(f"{key} quotes the {what} of {name}, which the manifest does not list")
+        else:
+            yield key, quoted, entry
+
+
+def quoted_hash_failures(receipt: Mapping[str, Any]) -> list[str]:
+    """One line per quoted hash that differs from its artifact's manifest sha256 (the manifest's own check
+    ties that sha256 to the file's bytes); a quote whose artifact is not in the manifest is a failure too."""
+    failures: list[str] = []
+    for key, quoted, entry in _quotes(receipt, QUOTED_HASHES, "sha256", failures):
+        if entry.get("sha256") != quoted:
             failures.append(f"{key} is {quoted} but {entry.get('path')} hashes to {entry.get('sha256')} (the artifact "
                             "was replaced, or the receipt edited)")
     return failures
@@ -56,20 +64,9 @@ def quoted_hash_failures(receipt: Mapping[str, Any]) -> list[str]:
 def quoted_digest_failures(run_dir: Path, receipt: Mapping[str, Any], readable: Collection[str]) -> list[str]:
     """One line per quoted state digest that differs from the digest of its file's values (`readable`: the
     manifest paths whose bytes verified; a quote of a file not among them is reported by the manifest checks)."""
-    manifest = receipt.get("manifest")
-    if not isinstance(manifest, list):
-        return []
-    by_name = {str(e.get("path", "")).rpartition("/")[2]: str(e.get("path")) for e in manifest
-               if isinstance(e, Mapping)}
-    failures = []
-    for key, name in QUOTED_DIGESTS:
-        quoted = _get(receipt, key)
-        if quoted is None:
-            continue
-        path = by_name.get(name)
-        if path is None:
-            failures.append(f"{key} quotes the digest of {name}, which the manifest does not list")
-            continue
+    failures: list[str] = []
+    for key, quoted, entry in _quotes(receipt, QUOTED_DIGESTS, "digest", failures):
+        path = str(entry.get("path"))
         if path not in readable:
             continue
         from glm52_jax.checkpoint.file_digest import file_digest
