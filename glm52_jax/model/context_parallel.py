@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from glm52_jax.model import cache_fp8
+from glm52_jax.kernels.sparse_mla import encode_rows, sparse_mla_tables
 from glm52_jax.model.indexer import INVALID, cached_topk, merge_topk, streaming_topk
 from glm52_jax.model.kv_cache import SlotLayout, check_slot_mesh
-from glm52_jax.model.sparse_attention import array_rows, sparse_mla_rows
+from glm52_jax.model.sparse_attention import CachedRows, array_rows, pallas_interpret, sparse_mla_rows
 from glm52_jax.parallel.rules import constrain, logical_to_spec
 
 LAYOUTS = ("zigzag", "contiguous", "off")
@@ -229,7 +229,7 @@ def cached_layout(stride: int) -> tuple[tuple[str, ...], SlotLayout] | None:
 
 def cp_cached_attention(sharded: tuple[tuple[str, ...], SlotLayout], q_lat, q_rope, c_new, r_new, positions, cache,
                         index, prev_topk, *, index_topk: int, index_scale: float, softmax_scale: float,
-                        indexer_blocks: dict):
+                        indexer_blocks: dict, kernels: str = "reference"):
     """A chunk's sparse MLA over a cache whose slots are laid out over `sharded = (axes, layout)` (`cached_layout`;
     see `_cp_cached_block`), for any chunk length: chunks of more than `MAX_CACHED_QUERIES` queries (batch x chunk)
     run in query blocks (a `lax.map`; the last block padded with copies of the last query), each against the whole
@@ -239,7 +239,7 @@ def cp_cached_attention(sharded: tuple[tuple[str, ...], SlotLayout], q_lat, q_ro
     if batch * seq <= MAX_CACHED_QUERIES:
         return _cp_cached_block(sharded, q_lat, q_rope, c_new, r_new, positions, positions, cache, index, prev_topk,
                                 index_topk=index_topk, index_scale=index_scale, softmax_scale=softmax_scale,
-                                indexer_blocks=indexer_blocks)
+                                indexer_blocks=indexer_blocks, kernels=kernels)
     block = max(1, MAX_CACHED_QUERIES // batch)
     blocks = -(-seq // block)
     pad = blocks * block - seq
@@ -261,7 +261,7 @@ def cp_cached_attention(sharded: tuple[tuple[str, ...], SlotLayout], q_lat, q_ro
         blk_index = None if index is None else (*qi, index[2])
         return _cp_cached_block(sharded, ql, qr, c_new, r_new, qpos, positions, cache, blk_index, prev,
                                 index_topk=index_topk, index_scale=index_scale, softmax_scale=softmax_scale,
-                                indexer_blocks=indexer_blocks)
+                                indexer_blocks=indexer_blocks, kernels=kernels)
 
     out, topk = jax.lax.map(one, xs)
     join = lambda a: jnp.moveaxis(a, 0, 1).reshape(batch, blocks * block, *a.shape[3:])[:, :seq]  # noqa: E731
@@ -270,7 +270,7 @@ def cp_cached_attention(sharded: tuple[tuple[str, ...], SlotLayout], q_lat, q_ro
 
 def _cp_cached_block(sharded: tuple[tuple[str, ...], SlotLayout], q_lat, q_rope, c_new, r_new, q_positions,
                      positions, cache, index, prev_topk, *, index_topk: int, index_scale: float, softmax_scale: float,
-                     indexer_blocks: dict):
+                     indexer_blocks: dict, kernels: str = "reference"):
     """A chunk's sparse MLA over a cache whose slots are laid out by `layout` over the mesh axes `axes` (`sharded`).
 
     Each device scores only its own cache slots with the indexer; the per-device candidates are
@@ -283,7 +283,8 @@ def _cp_cached_block(sharded: tuple[tuple[str, ...], SlotLayout], q_lat, q_rope,
     c_new: [B,S,C], r_new: [B,S,R] the whole chunk's own rows at `positions: [S]`; cache: a `LayerCacheView`
     (stacks [reps, U|F, B, Cap, *]; an FP8 cache's scale stacks [reps, U|F, B, Cap] are sharded like their rows
     and read with them); index: (iq [B,Q,..], iw [B,Q,..], ik_new [B,S,..]) for a layer with its
-    own indexer, else None and `prev_topk: [B,Q,K]` (global slots). Returns (out_lat [B,Q,H,C], top-k [B,Q,K]
+    own indexer, else None and `prev_topk: [B,Q,K]` (global slots). `kernels` (`ModelOptions.kernels`): whether each
+    device's attention runs on the sparse MLA kernel (`lse_attention`). Returns (out_lat [B,Q,H,C], top-k [B,Q,K]
     global slots), replicated over `axes`.
     """
     axes, layout = sharded
@@ -292,6 +293,7 @@ def _cp_cached_block(sharded: tuple[tuple[str, ...], SlotLayout], q_lat, q_rope,
     scale_slots = P(None, None, None, axes)
     capacity = cache.c_kv.shape[-2]
     topk_k = min(index_topk, capacity)
+    dtype = q_lat.dtype  # the kernel's query dtype (the shard_map takes float32 copies; see below)
 
     def per_device(q_lat, q_rope, c_new, r_new, q_positions, positions, cache_c, cache_r, cache_i, slot, index_slot,
                    length, index, prev_topk, cache_cs, cache_is):
@@ -306,7 +308,7 @@ def _cp_cached_block(sharded: tuple[tuple[str, ...], SlotLayout], q_lat, q_rope,
         else:
             topk = prev_topk
         out = _partial_attention(q_lat, q_rope, topk, cache_c, cache_r, slot, c_new, r_new, length, me, layout,
-                                 softmax_scale, axes, cache_cs)
+                                 softmax_scale, axes, cache_cs, kernels=kernels, dtype=dtype)
         return out, topk
 
     index_specs = None if index is None else (replicated,) * 3
@@ -350,29 +352,29 @@ def gather_candidates(vals: jax.Array, slots: jax.Array, valid: jax.Array, axes)
 KEY_BLOCK = 256
 
 
+class StridedRows(CachedRows):
+    """`CachedRows` over one device's shard of a cache laid out by `layout` (`kv_cache.SlotLayout`): a selected
+    global slot below `length` is read from this device's local row `layout.row(slot)` of the stacks (in place:
+    the kernels' table A is the local stack flattened, `CachedRows.tables`), a later one from the chunk's rows
+    (table B). Slots another device holds map to some local row; the caller masks them (`keep`)."""
+
+    def __init__(self, layout: SlotLayout, cache_c, cache_r, index: tuple, length, new_c, new_r, c_scale=None):
+        super().__init__(cache_c, cache_r, index, length, new_c, new_r, c_scale)
+        self.layout = layout
+
+    def _slots(self, idx):
+        b, in_cache, _, new = super()._slots(idx)
+        return b, in_cache, jnp.clip(self.layout.row(idx), 0, self.cache_c.shape[-2] - 1), new
+
+
 def _partial_attention(q_lat, q_rope, topk, cache_c, cache_r, slot, c_new, r_new, length, me, layout: SlotLayout,
-                       scale, axes, cache_cs=None):
+                       scale, axes, cache_cs=None, kernels: str = "reference", dtype=None):
     """Softmax attention over the selected keys device `me` holds (`layout`: cache rows of its slots, chunk rows
-    whose slots it will own), combined across `axes` by `lse_attention`. With an FP8 cache (`cache_cs`:
-    the local e4m3 rows' scales) only the gathered rows are dequantized."""
-    lead = tuple(jnp.asarray(i, jnp.int32) for i in slot)
-    local_cap = cache_c.shape[-2]
-    b = jnp.arange(topk.shape[0], dtype=jnp.int32)[:, None, None]
+    whose slots it will own), combined across `axes` by `lse_attention` (`kernels`, `dtype`: its keywords). With an
+    FP8 cache (`cache_cs`: the local e4m3 rows' scales) only the gathered rows are dequantized."""
     mine = (topk >= 0) & (layout.device(topk) == me)
-
-    def rows(idx):  # [B,S,k] selected slots -> their rows [B,S,k,C], [B,S,k,R] (clipped where not this device's)
-        in_cache = idx < length
-        out = []
-        for cached, scales, fresh in ((cache_c, cache_cs, c_new), (cache_r, None, r_new)):
-            at = (*lead, b, jnp.clip(layout.row(idx), 0, local_cap - 1))
-            past = cached[at]  # [B,S,k,*]
-            if scales is not None:
-                past = cache_fp8.read_rows(past, scales[at], fresh.dtype)
-            chunk = jax.vmap(lambda r, i: r[i])(fresh, jnp.clip(idx - length, 0, fresh.shape[1] - 1))
-            out.append(jnp.where(in_cache[..., None], past, chunk.astype(past.dtype)).astype(q_lat.dtype))
-        return out
-
-    return lse_attention(q_lat, q_rope, rows, topk, mine, scale, axes)
+    rows = StridedRows(layout, cache_c, cache_r, slot, length, c_new, r_new, cache_cs)
+    return lse_attention(q_lat, q_rope, rows, topk, mine, scale, axes, kernels=kernels, dtype=dtype)
 
 
 def own_first(topk: jax.Array, keep: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -383,18 +385,27 @@ def own_first(topk: jax.Array, keep: jax.Array) -> tuple[jax.Array, jax.Array, j
             jnp.max(jnp.sum(keep, axis=-1, dtype=jnp.int32), initial=0))
 
 
-def lse_attention(q_lat, q_rope, rows, topk, keep, scale, axes, key_block: int = KEY_BLOCK):
+def lse_attention(q_lat, q_rope, rows, topk, keep, scale, axes, key_block: int | None = None,
+                  kernels: str = "reference", dtype=None):
     """Softmax attention of `q_lat: [B,S,H,C]`, `q_rope: [B,S,H,R]` over the selected slots `topk: [B,S,K]`
     this device keeps (`keep: [B,S,K]`), combined across `axes` by log-sum-exp:
     out = sum_d exp(m_d - M) o_d / sum_d exp(m_d - M) l_d (each selected key kept on exactly one device).
 
     Only this device's keys are attended: each query's kept keys are moved to the front (`own_first`) and
-    taken in blocks of `key_block`; a block past the most keys any query keeps is skipped (a `lax.cond`),
-    so a device reads and scores about the keys it holds, not all K per query. `rows(idx: [B,S,k])` gives
-    the selected rows (kv [B,S,k,C], kr [B,S,k,R]); it is called for the blocks that run only. Every block
-    is a partial softmax of its own, merged with the others and the other devices' by the same combine."""
+    taken in blocks of `key_block` (default `KEY_BLOCK`); a block past the most keys any query keeps is skipped
+    (a `lax.cond`), so a device reads and scores about the keys it holds, not all K per query. `rows(idx:
+    [B,S,k])` gives the selected rows (kv [B,S,k,C], kr [B,S,k,R]); it is called for the blocks that run only.
+    Every block is a partial softmax of its own, merged with the others and the other devices' by the same
+    combine, whose all-reduces are [B,S,H] and [B,S,H,C] float32 whatever K is.
+
+    When `kernels` selects the Pallas kernels (`sparse_attention.pallas_interpret`) and `rows` is read in place
+    (a `CachedRows`: not an FP8 cache, whose per-row scales the kernel does not take), each block runs
+    `sparse_mla_tables` over `rows.tables()` (this device's cache stack and the chunk's rows, in place) with the
+    keys it does not keep masked, on queries cast to `dtype` (default q_lat's: the callers hold float32 copies of
+    model-dtype queries); its (normalized output, log-sum-exp) is the partial (m = lse, l = 1, o = out)."""
+    interpret = pallas_interpret(kernels, q_lat, q_rope) if getattr(rows, "in_place", False) else None
     k = topk.shape[-1]
-    kb = min(key_block, k)
+    kb = min(KEY_BLOCK if key_block is None else key_block, k)
     blocks = -(-k // kb)
     pad = blocks * kb - k
     topk, keep, most = own_first(topk, keep)
@@ -409,8 +420,8 @@ def lse_attention(q_lat, q_rope, rows, topk, keep, scale, axes, key_block: int =
         return (jnp.full((*lead, heads), -jnp.inf, jnp.float32), jnp.zeros((*lead, heads), jnp.float32),
                 jnp.zeros((*lead, heads, width), jnp.float32))
 
-    def attend(idx, kept):  # one block's partial softmax: (max, sum, unnormalized output)
-        kv, kr = rows(idx)
+    def gathered(idx, kept):  # one block's partial softmax: (max, sum, unnormalized output)
+        kv, kr = (a.astype(q_lat.dtype) for a in rows(idx))
         logits = jnp.einsum("bshc,bskc->bshk", q_lat, kv, preferred_element_type=jnp.float32)
         logits = (logits + jnp.einsum("bshr,bskr->bshk", q_rope, kr, preferred_element_type=jnp.float32)) * scale
         kept = kept[:, :, None, :]
@@ -422,12 +433,27 @@ def lse_attention(q_lat, q_rope, rows, topk, keep, scale, axes, key_block: int =
         o = jnp.einsum("bshk,bskc->bshc", p.astype(kv.dtype), kv, preferred_element_type=jnp.float32)
         return m, jnp.sum(p, axis=-1), o
 
+    if interpret is not None:
+        tables = rows.tables()  # once, outside the loop: the chunk's rows cast to the cache dtype (table B)
+        q_k, qr_k = (a if dtype is None else a.astype(dtype) for a in (q_lat, q_rope))
+
+    def kernel(idx, kept):  # the kernel's (out, lse) of one block as a partial softmax
+        codes = encode_rows(rows.row_ids(jnp.where(kept, idx, 0)), kept)
+        out, lse = sparse_mla_tables(q_k, qr_k, *tables, codes, scale=scale, interpret=interpret)
+        # A query keeping no key of this block gets the kernel's finite masked average (lse ~ -1e30): weight 0.
+        some = jnp.any(kept, axis=-1)[..., None]  # [B,S,1]
+        return (jnp.where(some, lse, -jnp.inf), jnp.broadcast_to(some, lse.shape).astype(jnp.float32),
+                jnp.where(some[..., None], out.astype(jnp.float32), 0.0))
+
+    attend = gathered if interpret is None else kernel
+
     def one(_, args):
         j, idx, kept = args
         return None, jax.lax.cond(j * kb < most, attend, lambda *_: empty(), idx, kept)
 
     _, (m, l, o) = jax.lax.scan(one, None, (jnp.arange(blocks), split(topk), split(keep)))  # [blocks,B,S,H,..]
-    m_all = jax.lax.pmax(jnp.max(m, axis=0), axes)
+    # The kernel's m (its lse) carries a gradient; the shift M does not need one (the combine is exact for any).
+    m_all = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(m, axis=0)), axes)
     m_all = jnp.where(jnp.isfinite(m_all), m_all, 0.0)
     w = jnp.exp(m - m_all)  # [blocks,B,S,H]: 0 for an empty block
     denom = jax.lax.psum(jnp.sum(w * l, axis=0), axes)  # [B,S,H]

@@ -113,7 +113,7 @@ class Attention(nnx.Module):
                 sharded_cache, q_lat, q_rope, c_kv, k_rope, positions, cache,
                 None if self.indexer is None else (iq, iw, ik), prev_topk if self.indexer is None else None,
                 index_topk=cfg.index_topk, index_scale=iscale, softmax_scale=cfg.softmax_scale,
-                indexer_blocks=blocks)
+                indexer_blocks=blocks, kernels=self.opts.kernels)
         elif layout is not None:  # explicit context parallelism: sharded queries, gathered key side
             out_lat, topk = context.cp_sparse_attention(
                 layout, q_lat, q_rope, c_kv, k_rope, positions, None if self.indexer is None else (iq, iw, ik),

@@ -230,7 +230,7 @@ def attention(q_lat, q_rope, c_new, r_new, positions, view: SharedLayerView, ind
     sharded = context.cached_layout(prompt.stride)
     if sharded is not None:
         return _context_parallel(sharded, q_lat, q_rope, suffix_c, suffix_r, positions, prompt, query_index,
-                                 suffix_candidates, prev_topk, scoring, softmax_scale)
+                                 suffix_candidates, prev_topk, scoring, softmax_scale, kernels)
     topk = prev_topk
     if index is not None:
         past = prompt_candidates(iq, iw, prompt.index_k, prompt.index_slot, positions, prompt.length, scoring,
@@ -256,17 +256,20 @@ def prompt_candidates(iq, iw, keys, index_slot, positions, length, scoring: dict
 
 
 def _context_parallel(sharded, q_lat, q_rope, suffix_c, suffix_r, positions, prompt: LayerCacheView, query_index,
-                      suffix_candidates, prev_topk, scoring: dict, softmax_scale: float):
+                      suffix_candidates, prev_topk, scoring: dict, softmax_scale: float, kernels: str):
     """`attention` with the prompt's slots laid out over `sharded = (axes, layout)` (`context.cached_layout`): each
-    device scores and attends to its own prompt slots; candidates all-gathered, partial softmaxes combined by LSE."""
+    device scores and attends to its own prompt slots; candidates all-gathered, partial softmaxes combined by LSE.
+    The attention is `context.cp_cached_attention`'s: the same `context.StridedRows` (here the batch-1 prompt stack
+    shared by the G rows as table A, each row's suffix + chunk as table B) and `context.lse_attention`, on the
+    sparse MLA kernel when `kernels` picks it (not for an FP8 prompt cache)."""
     axes, layout = sharded
+    dtype = q_lat.dtype  # the kernel's query dtype (the shard_map takes float32 copies)
     replicated = P()
     slots = P(None, None, None, axes, None)
     scale_slots = P(None, None, None, axes)
 
     def per_device(q_lat, q_rope, suffix_c, suffix_r, positions, cache_c, cache_r, cache_i, slot, index_slot, length,
                    query_index, suffix_candidates, prev_topk, cache_cs, cache_is):
-        local_cap = cache_c.shape[-2]
         me = jax.lax.axis_index(axes)
         if query_index is not None:
             vals, idx = prompt_candidates(*query_index, cache_i, index_slot, positions, layout.filled(length, me),
@@ -277,24 +280,11 @@ def _context_parallel(sharded, q_lat, q_rope, suffix_c, suffix_r, positions, pro
             topk = prev_topk
         # A suffix slot (>= length) is owned by the device its slot would sit on in the prompt's layout.
         keep = (topk >= 0) & (layout.device(topk) == me)
-        lead = tuple(jnp.asarray(i, jnp.int32) for i in slot)
-
-        def rows(idx):  # [G,S,k] selected slots -> their rows: the prompt's (this device's), else the suffix's
-            in_prompt = idx < length
-            local = jnp.clip(layout.row(idx), 0, local_cap - 1)
-            own = jnp.clip(idx - length, 0, suffix_c.shape[1] - 1)
-
-            def selected(cached, scales, fresh):  # [G,S,k,*]
-                past, mine = cached[(*lead, 0, local)], jax.vmap(lambda r, i: r[i])(fresh, own)
-                if scales is None:
-                    mine = mine.astype(cached.dtype)
-                else:  # e4m3: only the gathered rows are dequantized, with their gathered scales
-                    past = cache_fp8.read_rows(past, scales[(*lead, 0, local)], fresh.dtype)
-                return jnp.where(in_prompt[..., None], past, mine).astype(q_lat.dtype)
-
-            return selected(cache_c, cache_cs, suffix_c), selected(cache_r, None, suffix_r)
-
-        return context.lse_attention(q_lat, q_rope, rows, topk, keep, softmax_scale, axes), topk
+        # A selected slot's row: this device's prompt row (the batch-1 stack, shared by every row), else the row's
+        # suffix or chunk (e4m3 prompt rows dequantized with their gathered scales).
+        rows = context.StridedRows(layout, cache_c, cache_r, slot, length, suffix_c, suffix_r, cache_cs)
+        return context.lse_attention(q_lat, q_rope, rows, topk, keep, softmax_scale, axes, kernels=kernels,
+                                     dtype=dtype), topk
 
     has_index = query_index is not None
     quantized = prompt.c_scale is not None

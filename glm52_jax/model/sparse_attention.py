@@ -142,7 +142,7 @@ def sparse_mla(q_lat: jax.Array, q_rope: jax.Array, c_kv: jax.Array, k_rope: jax
                            kernels=kernels)
 
 
-def _pallas_interpret(kernels: str, q_lat: jax.Array, q_rope: jax.Array) -> bool | None:
+def pallas_interpret(kernels: str, q_lat: jax.Array, q_rope: jax.Array) -> bool | None:
     """None: run the reference; else whether the Pallas kernels run in interpret mode (no GPU target)."""
     if not kernel_seam.use_pallas(kernels):
         return None
@@ -159,7 +159,7 @@ def sparse_mla_rows(q_lat: jax.Array, q_rope: jax.Array, rows, topk: jax.Array, 
     """`sparse_mla` with the keys given as a row source (`ArrayRows` / `CachedRows`, or any callable
     `rows(idx [B,s,K]) -> ([B,s,K,C], [B,s,K,R])` for the reference). A source that is not `in_place` (an
     FP8 cache's rows: `CachedRows`) always takes the reference's gathered path."""
-    interpret = _pallas_interpret(kernels, q_lat, q_rope) if getattr(rows, "in_place", True) else None
+    interpret = pallas_interpret(kernels, q_lat, q_rope) if getattr(rows, "in_place", True) else None
     if interpret is not None:
         valid = topk >= 0
         codes = encode_rows(rows.row_ids(jnp.where(valid, topk, 0)), valid)

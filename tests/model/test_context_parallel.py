@@ -126,3 +126,67 @@ def test_own_first_puts_kept_keys_first_and_counts_the_most():
     np.testing.assert_array_equal(np.asarray(order), [[[5, 7, 1, 3], [6, 4, 2, 0]]])
     np.testing.assert_array_equal(np.asarray(kept), [[[1, 1, 0, 0], [1, 1, 0, 0]]])
     assert int(most) == 2
+
+
+@pytest.mark.parametrize(("ways", "shared"), [(8, False), (4, True)])
+def test_kernel_partial_attention_equals_the_gathered_one(ways, shared):
+    """kernels="pallas" (the sparse MLA kernel, interpret mode here): each device's blocks of kept keys run on
+    `sparse_mla_tables` over its local stack (read in place at stack index (1,), local row = slot // ways) and the
+    chunk's rows, and the log-sum-exp combine of the kernel's (out, lse) equals the gathered jnp path, output and
+    gradients (q, the cache's rows, the chunk's rows), on the slot shards of both test meshes (8: folded=8, 4:
+    context=4). Key blocks of 4 (several per device, empty ones skipped); one query selects only device 0's slots
+    (every other device has no key for it), one selects nothing (output 0), one has padding slots. `shared`: one
+    batch-1 stack read by both rows (`shared_cache`'s prompt), the chunk rows each row's suffix."""
+    from jax.sharding import PartitionSpec as P
+
+    cap, length, b, s, h, c, r, k = 32, 20, 2, 3, 4, 16, 16, 12
+    keys = jax.random.split(jax.random.key(1), 6)
+    q_lat = jax.random.normal(keys[0], (b, s, h, c))
+    q_rope = jax.random.normal(keys[1], (b, s, h, r))
+    cache_b = 1 if shared else b
+    cache_c = jax.random.normal(keys[2], (2, cache_b, cap, c))  # [stack, B, Cap, C]: the layer is stack index 1
+    cache_r = jax.random.normal(keys[3], (2, cache_b, cap, r))
+    c_new, r_new = jax.random.normal(keys[4], (b, s, c)), jax.random.normal(keys[5], (b, s, r))
+    rng = np.random.default_rng(1)
+    topk = np.stack([np.stack([rng.permutation(length + s)[:k] for _ in range(s)]) for _ in range(b)])
+    topk[0, 1, -5:] = -1  # padding slots
+    topk[1, 0] = -1  # no key at all
+    topk[1, 2] = -1
+    topk[1, 2, :3] = np.arange(3) * ways  # device 0's slots only
+    topk = jnp.asarray(topk, jnp.int32)
+    layout = SlotLayout(ways)
+    mesh = jax.make_mesh((ways,), ("x",), devices=jax.devices()[:ways])
+    slots, rep = P(None, None, "x"), P()
+
+    def attention(kernels):
+        def per_device(q_lat, q_rope, cache_c, cache_r, c_new, r_new):
+            return context_parallel._partial_attention(
+                q_lat, q_rope, topk, cache_c, cache_r, (1,), c_new, r_new, jnp.int32(length),
+                jax.lax.axis_index("x"), layout, 0.3, ("x",), kernels=kernels)
+
+        return jax.shard_map(per_device, mesh=mesh, in_specs=(rep, rep, slots, slots, rep, rep), out_specs=rep,
+                             check_vma=False)
+
+    put = lambda a, spec: jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))  # noqa: E731
+    args = (put(q_lat, rep), put(q_rope, rep), put(layout.from_slots(cache_c, 2), slots),
+            put(layout.from_slots(cache_r, 2), slots), put(c_new, rep), put(r_new, rep))
+    old = context_parallel.KEY_BLOCK
+    context_parallel.KEY_BLOCK = 4
+    try:
+        assert "pallas_call" in str(jax.make_jaxpr(attention("pallas"))(*args))
+        results = []
+        for kernels in ("pallas", "reference"):  # one program each: the output rides along as the loss's aux
+            fn = attention(kernels)
+            loss = lambda *a, fn=fn: (jnp.sum(jnp.sin(out := fn(*a))), out)  # noqa: E731
+            (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=range(6), has_aux=True))(*args)
+            results.append((out, grads))
+    finally:
+        context_parallel.KEY_BLOCK = old
+    (got, got_grads), (want, want_grads) = results
+    np.testing.assert_array_equal(np.asarray(want)[1, 0], 0.0)  # the query with no key
+    assert np.abs(np.asarray(want)[1, 2]).min() > 0
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    for name, g, w in zip(("q_lat", "q_rope", "cache_c", "cache_r", "c_new", "r_new"), got_grads, want_grads,
+                          strict=True):
+        assert np.abs(np.asarray(w)).max() > 0, name
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5, err_msg=name)
