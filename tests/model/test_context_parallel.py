@@ -128,7 +128,9 @@ def test_own_first_puts_kept_keys_first_and_counts_the_most():
     assert int(most) == 2
 
 
-@pytest.mark.parametrize(("ways", "shared"), [(8, False), (4, True)])
+# ~10 s each (interpret mode): 8 ways is `slow` for CI's budget (tests/parallel/test_cached_kernel.py runs a layer over
+# an 8-way strided cache on the kernel in CI).
+@pytest.mark.parametrize(("ways", "shared"), [pytest.param(8, False, marks=pytest.mark.slow), (4, True)])
 def test_kernel_partial_attention_equals_the_gathered_one(ways, shared):
     """kernels="pallas" (the sparse MLA kernel, interpret mode here): each device's blocks of kept keys run on
     `sparse_mla_tables` over its local stack (read in place at stack index (1,), local row = slot // ways) and the
