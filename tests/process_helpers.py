@@ -21,14 +21,15 @@ def free_port() -> int:
 def start_launchers(args: Sequence[Sequence[str]], logs: Path, *, cwds: Sequence[Path] | None = None,
                     env: dict[str, str] | None = None) -> list[subprocess.Popen]:
     """`python -m glm52_jax.launch *args[p]` as process p of one group (one process per entry of `args`),
-    in `cwds[p]` (default the repository root); stdout/stderr of process p go to logs/p.out, logs/p.err."""
+    in `cwds[p]` (default the repository root), 4 CPU devices each unless `env` sets XLA_FLAGS; stdout/stderr of
+    process p go to logs/p.out, logs/p.err."""
     port = free_port()
     logs.mkdir(parents=True, exist_ok=True)
     procs = []
     for rank, extra in enumerate(args):
-        penv = dict(os.environ, GLM52_COORDINATOR=f"127.0.0.1:{port}", GLM52_NUM_PROCESSES=str(len(args)),
-                    GLM52_PROCESS_ID=str(rank), JAX_PLATFORMS="cpu",
-                    XLA_FLAGS="--xla_force_host_platform_device_count=4", **(env or {}))
+        penv = {**os.environ, "GLM52_COORDINATOR": f"127.0.0.1:{port}", "GLM52_NUM_PROCESSES": str(len(args)),
+                "GLM52_PROCESS_ID": str(rank), "JAX_PLATFORMS": "cpu",
+                "XLA_FLAGS": "--xla_force_host_platform_device_count=4", **(env or {})}  # `env` may replace any
         with open(logs / f"{rank}.out", "w") as out, open(logs / f"{rank}.err", "w") as err:
             procs.append(subprocess.Popen([sys.executable, "-m", "glm52_jax.launch", *extra], env=penv, stdout=out,
                                           stderr=err, cwd=cwds[rank] if cwds else ROOT))
