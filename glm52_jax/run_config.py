@@ -180,6 +180,7 @@ class ModelSpec(_Section):
     moe_cross_host: str = _rules(one_of(choices.MOE_CROSS_HOST))
     moe_receive_capacity: float = _rules(lambda v: None if (v == 0 or v >= 1) and math.isfinite(v)
                                          else "must be 0 (the worst case) or >= 1")
+    moe_exchange_windows: int = _rules(at_least(1))
     lora_rank: int = _rules(at_least(1))
     lora_alpha: float = _rules(number(0.0))
     lora_families: tuple[str, ...] = _rules(subset_of(choices.LORA_FAMILIES))

@@ -48,6 +48,10 @@ def get_config() -> ml_collections.ConfigDict:
     # average it receives when routing is balanced). Rows beyond it go in further passes: nothing is dropped.
     # 0 = the worst case (every device's rows to one: N x), one pass but N x the work on the received rows.
     c.model.moe_receive_capacity = 0.0
+    # Windows each pass's exchange is split into: 2 = one window's all-to-all in flight while the other's experts
+    # compute (pays where the exchange is slow: across hosts); 1 = one synchronous exchange per pass (each window
+    # re-reads the local experts' weights and launches its own kernels: cheaper where the exchange is fast).
+    c.model.moe_exchange_windows = 2
     # How XLA:GPU runs that exchange when it spans hosts (parallel/xla_options.py): "xla" = its multi-host
     # decomposer (supported; all-gathers each round's send rows across hosts: 4x the bytes on 4 hosts), "nccl" =
     # one ragged all-to-all of the exact rows by NCCL send/recv (XLA's fallback; unverified on hardware here).

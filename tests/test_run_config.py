@@ -127,6 +127,7 @@ def test_the_spec_and_the_launcher_start_without_jax():
     ("model.moe_transport", "nccl", "--config.model.moe_transport=nccl: must be one of auto, dense, ragged"),
     ("model.moe_token_block", 0, "--config.model.moe_token_block=0: must be >= 1"),
     ("model.moe_receive_capacity", 0.5, "--config.model.moe_receive_capacity=0.5: must be 0 (the worst case) or >= 1"),
+    ("model.moe_exchange_windows", 0, "--config.model.moe_exchange_windows=0: must be >= 1"),
     ("model.gather_weights_min_tokens", -1, "--config.model.gather_weights_min_tokens=-1: must be >= 0"),
     ("model.cache_dtype", "float8", "--config.model.cache_dtype=float8: must be one of auto, float8_e4m3fn"),
     ("model.indexer_dtype", "e4m3", "--config.model.indexer_dtype=e4m3: must be one of bf16, fp8"),
@@ -274,14 +275,15 @@ def test_settings_build_the_objects_the_spec_configures():
                                   "model.kernels": "reference", "model.moe_transport": "ragged",
                                   "model.moe_token_block": 256, "model.moe_receive_capacity": 1.5,
                                   "model.gather_weights_min_tokens": 64, "model.cache_dtype": "float8_e4m3fn",
-                                  "model.indexer_dtype": "fp8"})
+                                  "model.indexer_dtype": "fp8", "model.moe_exchange_windows": 1})
     lora = settings.lora_config(spec.model)
     assert (lora.rank, lora.alpha, lora.families) == (8, 16.0, frozenset({"attention", "unembed"}))
     options = settings.model_options(spec.model)
     assert (str(options.param_dtype), options.kernels, options.moe_transport, options.moe_token_block,
             options.moe_receive_capacity) == ("float32", "reference", "ragged", 256, 1.5)
     assert options.gather_weights_min_tokens == 64 and options.cache_dtype == "float8_e4m3fn"
-    assert options.indexer_dtype == "fp8"
+    assert options.indexer_dtype == "fp8" and options.moe_exchange_windows == 1
+    assert settings.model_options(config_spec("2m").model).moe_exchange_windows == 2
     assert settings.model_options(config_spec("tiny").model).cache_dtype == "auto"
     assert settings.model_options(config_spec("tiny").model).indexer_dtype == "bf16"
     assert settings.model_options(config_spec("2m").model).gather_weights_min_tokens == 512

@@ -36,6 +36,10 @@ class ModelOptions:
     round (balanced routing brings that many on average); rows beyond it go in further passes, so nothing is
     dropped. 0 (default) sizes it for the worst case (N times: one pass, but every op on the received rows
     runs over N times the live rows).
+    `moe_exchange_windows`: windows each expert-parallel pass's exchange is split into (`experts_ep`'s
+    `exchange_blocks`): with 2 (default) one window's all-to-all is in flight while the other's experts compute;
+    1 runs each pass as one synchronous exchange (fewer, larger kernels: each window re-reads the local experts'
+    weights).
     `gather_weights_min_tokens`: a call (layer stack, logits) that routes fewer tokens than this (static:
     B x S) keeps the FSDP-sharded frozen matrices in place and runs their projections tensor-parallel
     (`parallel.tensor_parallel`: the activations move, not the weights); 0 (default) always gathers.
@@ -63,13 +67,15 @@ class ModelOptions:
     kernels: str = "auto"
     moe_transport: str = "auto"
     moe_receive_capacity: float = 0.0
+    moe_exchange_windows: int = 2
     gather_weights_min_tokens: int = 0
     cache_dtype: str = "auto"
     indexer_dtype: str = "bf16"
     latent_norm_eps: float | None = None
 
     def __post_init__(self):
-        for name in ("indexer_query_block", "indexer_key_block", "attention_query_block", "moe_token_block"):
+        for name in ("indexer_query_block", "indexer_key_block", "attention_query_block", "moe_token_block",
+                     "moe_exchange_windows"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelOptions.{name}: expected a positive integer, got {value!r}")

@@ -86,3 +86,27 @@ def test_few_tokens_run_expert_parallel(moe, mesh_text):
     gathers = re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo)
     assert "all-to-all" in hlo
     assert not any(f"[{e},{d},{i}]" in g or f"[{e},{i},{d}]" in g for g in gathers), gathers
+
+
+def test_exchange_windows_option_reaches_the_exchange():
+    """`ModelOptions.moe_exchange_windows` (config `model.moe_exchange_windows`) sets how many windows each pass's
+    exchange is split into: 1 is one all-to-all out and one back per pass; 2 (the default) twice that. Same output."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((1, 256, CFG.hidden_size)), jnp.float32)  # 32 tokens per device
+    spec = parse_mesh("folded=8")
+    mesh = spec.make()
+    outs, exchanges = [], []
+    for windows in (1, 2):
+        module = MoE(CFG, ModelOptions(param_dtype=jnp.float32, moe_transport="dense", moe_exchange_windows=windows),
+                     nnx.Rngs(0))
+        with rules.axis_rules(spec.rules()):
+            placed = place_model(module, mesh)
+            with jax.set_mesh(mesh):
+                graphdef, state = nnx.split(placed)
+                fn = lambda state, x: nnx.merge(graphdef, state)(x)  # noqa: E731
+                exchanges.append(str(jax.make_jaxpr(fn)(state, x)).count("all_to_all["))
+                outs.append(np.asarray(jax.jit(fn)(state, x)))
+    assert exchanges[0] == 2 and exchanges[1] == 4, exchanges
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="moe_exchange_windows: expected a positive integer"):
+        ModelOptions(moe_exchange_windows=0)
