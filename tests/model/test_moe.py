@@ -103,7 +103,7 @@ def test_exchange_windows_option_reaches_the_exchange():
             placed = place_model(module, mesh)
             with jax.set_mesh(mesh):
                 graphdef, state = nnx.split(placed)
-                fn = lambda state, x: nnx.merge(graphdef, state)(x)  # noqa: E731
+                fn = lambda state, x, g=graphdef: nnx.merge(g, state)(x)  # noqa: E731
                 exchanges.append(str(jax.make_jaxpr(fn)(state, x)).count("all_to_all["))
                 outs.append(np.asarray(jax.jit(fn)(state, x)))
     assert exchanges[0] == 2 and exchanges[1] == 4, exchanges
