@@ -64,21 +64,22 @@ class KernelConfig:
                                    bwd_block_h=min(self.bwd_block_h, 16), bwd_num_warps=4, bwd_num_stages=1)
 
     def fitted(self, dtype, tables: int, heads: int, latent: int, rope: int, slots: int,
-               limit: int | None = None) -> KernelConfig:
+               limit: int | None = None, scaled: int = 0) -> KernelConfig:
         """These tiles made to fit `limit` bytes of shared memory per block (default sm_90's) for `tables` row
         tables of inputs of `dtype` and `heads` (padded) x (`latent` + `rope`) query tiles: the forward keeps its
         software pipeline (num_stages >= 2) and the largest step of at most `block_k` slots that fits with it,
         one stage only when no 16-slot step fits with two; the backward likewise. Steps never exceed the slots
-        (rounded up to a power of two >= 16). Sizes by `forward_shared_memory` / `backward_shared_memory`
-        (upper bounds of the compiled kernels' use, checked against sm_90a compiles)."""
+        (rounded up to a power of two >= 16). `scaled` of the tables are e4m3 c_kv rows with per-row float32
+        scales (an FP8 cache). Sizes by `forward_shared_memory` / `backward_shared_memory` (upper bounds of the
+        compiled kernels' use, checked against sm_90a compiles)."""
         limit = SHARED_MEMORY_PER_BLOCK if limit is None else limit
         itemsize, cap = jnp.dtype(dtype).itemsize, _pow2_at_least(slots, 16)
 
         def fwd(block_k, stages):
-            return forward_shared_memory(heads, latent, rope, itemsize, tables, block_k, stages)
+            return forward_shared_memory(heads, latent, rope, itemsize, tables, block_k, stages, scaled)
 
         def bwd(block_k, stages):
-            return backward_shared_memory(latent, rope, itemsize, tables, block_k, stages)
+            return backward_shared_memory(latent, rope, itemsize, tables, block_k, stages, scaled)
 
         block_k, stages = _fit(min(self.block_k, cap), self.num_stages, fwd, limit, "forward", dtype, heads,
                                latent + rope, tables)
@@ -96,21 +97,33 @@ _SCRATCH = 4096
 
 
 def forward_shared_memory(heads: int, latent: int, rope: int, itemsize: int, tables: int, block_k: int,
-                          stages: int) -> int:
+                          stages: int, scaled: int = 0) -> int:
     """Bytes of shared memory per block the forward may use: the query tiles [heads, C + R] and, per gathered
     [block_k, C + R] tile, one operand buffer plus `stages - 1` pipelined loads per table. An upper bound: sm_90a
     compiles (benchmarks/results/sparse_mla_compile_stats.json) used 221,440 B for this bound's 225,280 (bf16,
-    64 heads, C 512, R 64, 64 slots, 2 stages); Triton's pipeliner may buffer fewer (3 stages: 2 buffers)."""
-    return (heads + (tables * (stages - 1) + 1) * block_k) * (latent + rope) * itemsize + _SCRATCH
+    64 heads, C 512, R 64, 64 slots, 2 stages); Triton's pipeliner may buffer fewer (3 stages: 2 buffers).
+    `scaled` of the tables hold e4m3 c_kv rows: their pipelined loads are 1-byte [block_k, C] rows and [block_k]
+    float32 scales (the operand buffer holds the dequantized rows, `itemsize`)."""
+    return ((heads + (tables * (stages - 1) + 1) * block_k) * (latent + rope) * itemsize + _SCRATCH
+            - _scaled_saving(latent, itemsize, scaled, block_k, stages))
 
 
-def backward_shared_memory(latent: int, rope: int, itemsize: int, tables: int, block_k: int, stages: int) -> int:
+def _scaled_saving(latent: int, itemsize: int, scaled: int, block_k: int, stages: int) -> int:
+    """Pipelined-load bytes `scaled` e4m3 tables save on `itemsize` rows: C x (itemsize - 1) less, 4 (a scale) more
+    per row."""
+    return scaled * (stages - 1) * block_k * (latent * (itemsize - 1) - 4)
+
+
+def backward_shared_memory(latent: int, rope: int, itemsize: int, tables: int, block_k: int, stages: int,
+                           scaled: int = 0) -> int:
     """Bytes of shared memory per block the backward may use: per slot of a step, its float32 key-row gradient
     staged for the store and the gathered row in both MMA layouts ((C + R) x (4 + 2 x itemsize)), plus `stages - 1`
     pipelined loads per table. The head block's query tiles stay in registers (compiles at 16 and 32 heads used
-    the same bytes). An upper bound: bf16, C 512, R 64, 32 slots used 135,168 B for this bound's 151,552."""
+    the same bytes). An upper bound: bf16, C 512, R 64, 32 slots used 135,168 B for this bound's 151,552.
+    `scaled`: as in `forward_shared_memory` (the MMA layouts hold dequantized rows)."""
     width = latent + rope
-    return block_k * width * (4 + 2 * itemsize) + tables * (stages - 1) * block_k * width * itemsize + _SCRATCH
+    return (block_k * width * (4 + 2 * itemsize) + tables * (stages - 1) * block_k * width * itemsize + _SCRATCH
+            - _scaled_saving(latent, itemsize, scaled, block_k, stages))
 
 
 def _fit(block_k: int, stages: int, need, limit: int, kernel: str, dtype, heads: int, width: int,
@@ -198,11 +211,12 @@ def _prepare(q_lat, q_rope, codes, plan: _Plan):
     return ql, qr, codes
 
 
-def _forward(q_lat, q_rope, kv_tables, kr_tables, codes, scale, interpret, cfg):
+def _forward(q_lat, q_rope, kv_tables, kr_tables, kv_scales, codes, scale, interpret, cfg):
     b, s, h, c = q_lat.shape
     plan = _plan(b * s, h, codes.shape[-1], cfg)
     ql, qr, flat_codes = _prepare(q_lat, q_rope, codes, plan)
-    o, m, l = kern.forward(flat_codes, ql, qr, kv_tables, kr_tables, scale=scale, block_k=cfg.block_k,
+    o, m, l = kern.forward(flat_codes, ql, qr, kv_tables, kr_tables, kv_scales=kv_scales, scale=scale,
+                           block_k=cfg.block_k,
                            splits=plan.splits, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                            interpret=interpret, out_dtype=q_lat.dtype if plan.splits == 1 else jnp.float32)
     if plan.splits == 1:
@@ -218,15 +232,15 @@ def _forward(q_lat, q_rope, kv_tables, kr_tables, codes, scale, interpret, cfg):
     return (out, lse), (ql, qr, flat_codes, o, m, l)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _sparse_mla(q_lat, q_rope, kv_tables, kr_tables, codes, scale, interpret, cfg):
-    return _forward(q_lat, q_rope, kv_tables, kr_tables, codes, scale, interpret, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _sparse_mla(q_lat, q_rope, kv_tables, kr_tables, kv_scales, codes, scale, interpret, cfg):
+    return _forward(q_lat, q_rope, kv_tables, kr_tables, kv_scales, codes, scale, interpret, cfg)[0]
 
 
-def _sparse_mla_fwd(q_lat, q_rope, kv_tables, kr_tables, codes, scale, interpret, cfg):
-    outs, (ql, qr, flat_codes, o, m, l) = _forward(q_lat, q_rope, kv_tables, kr_tables, codes, scale, interpret,
-                                                   cfg)
-    return outs, (ql, qr, kv_tables, kr_tables, flat_codes, o, m, l, q_lat.shape, codes.shape)
+def _sparse_mla_fwd(q_lat, q_rope, kv_tables, kr_tables, kv_scales, codes, scale, interpret, cfg):
+    outs, (ql, qr, flat_codes, o, m, l) = _forward(q_lat, q_rope, kv_tables, kr_tables, kv_scales, codes, scale,
+                                                   interpret, cfg)
+    return outs, (ql, qr, kv_tables, kr_tables, kv_scales, flat_codes, o, m, l, q_lat.shape, codes.shape)
 
 
 def _chunked(x: jax.Array, chunks: int) -> jax.Array:
@@ -241,18 +255,19 @@ def _partials(rows: jax.Array) -> jax.Array:
     return rows.reshape(parts, n * k, w)
 
 
-def _scatter_rows(acc_tables, src, keys_sorted, ends, order, cfg, interpret):
-    """Add per-entry rows `src: [P, E, W]` (summed over P) into `acc_tables` (rows of [A; B]), in key order."""
+def _scatter_rows(acc_tables, rows_per_table, src, keys_sorted, ends, order, cfg, interpret):
+    """Add per-entry rows `src: [P, E, W]` (summed over P) into `acc_tables` (rows of [A; B], `rows_per_table`
+    rows each; an entry None: a table with no gradient, skipped), in key order."""
     out, offset = [], 0
-    for acc in acc_tables:
-        out.append(kern.segment_sum(keys_sorted - offset, ends, order, src, acc, block_e=cfg.segment_block,
-                                    interpret=interpret))
-        offset += acc.shape[0]
+    for acc, rows in zip(acc_tables, rows_per_table, strict=True):
+        out.append(None if acc is None else kern.segment_sum(keys_sorted - offset, ends, order, src, acc,
+                                                             block_e=cfg.segment_block, interpret=interpret))
+        offset += rows
     return tuple(out)
 
 
 def _sparse_mla_bwd(scale, interpret, cfg, residuals, cotangents):
-    ql, qr, kv_tables, kr_tables, codes, o, m, l, q_shape, codes_shape = residuals
+    ql, qr, kv_tables, kr_tables, kv_scales, codes, o, m, l, q_shape, codes_shape = residuals
     d_out, d_lse = cotangents
     b, s, h, c = q_shape
     n, kp = codes.shape
@@ -266,12 +281,16 @@ def _sparse_mla_bwd(scale, interpret, cfg, residuals, cotangents):
     per_chunk = -(-n // chunks)
     real = _chunked(jnp.ones((n,), bool), chunks)
     xs = tuple(_chunked(x, chunks) for x in (codes, ql, qr, do, m, l, delta)) + (real,)
-    total_rows = sum(t.shape[0] for t in kv_tables)
+    table_rows = tuple(t.shape[0] for t in kv_tables)
+    total_rows = sum(table_rows)
+    # A table with scales (e4m3 cache rows) is a constant: no accumulator, no scatter, a symbolic zero gradient
+    # (the FP8 cache is never differentiated; its k_rope rows are not either). The other table's rows still are.
+    frozen = tuple(s is not None for s in (kv_scales or (None,) * len(kv_tables)))
 
     def one_chunk(acc, args):
         codes_c, ql_c, qr_c, do_c, m_c, l_c, delta_c, real_c = args
         dql, dqr, dkv, dkr = kern.backward(codes_c, ql_c, qr_c, do_c, m_c, l_c, delta_c, kv_tables, kr_tables,
-                                           scale=scale, block_k=cfg.bwd_block_k,
+                                           kv_scales=kv_scales, scale=scale, block_k=cfg.bwd_block_k,
                                            block_h=min(cfg.bwd_block_h, hp), splits=plan.bwd_splits,
                                            num_warps=cfg.bwd_num_warps, num_stages=cfg.bwd_num_stages,
                                            interpret=interpret)
@@ -283,37 +302,64 @@ def _sparse_mla_bwd(scale, interpret, cfg, residuals, cotangents):
         keys_sorted = keys[order]
         ends = jnp.searchsorted(keys_sorted, keys_sorted, side="right").astype(jnp.int32)
         acc_kv, acc_kr = acc
-        acc_kv = _scatter_rows(acc_kv, _partials(dkv), keys_sorted, ends, order, cfg, interpret)
-        acc_kr = _scatter_rows(acc_kr, _partials(dkr), keys_sorted, ends, order, cfg, interpret)
+        acc_kv = _scatter_rows(acc_kv, table_rows, _partials(dkv), keys_sorted, ends, order, cfg, interpret)
+        acc_kr = _scatter_rows(acc_kr, table_rows, _partials(dkr), keys_sorted, ends, order, cfg, interpret)
         return (acc_kv, acc_kr), (jnp.sum(dql, axis=1), jnp.sum(dqr, axis=1))
 
-    zeros = tuple(tuple(jnp.zeros(t.shape, jnp.float32) for t in tables) for tables in (kv_tables, kr_tables))
+    zeros = tuple(tuple(None if off else jnp.zeros(t.shape, jnp.float32) for t, off in zip(tables, frozen,
+                                                                                         strict=True))
+                  for tables in (kv_tables, kr_tables))
     (acc_kv, acc_kr), (dql, dqr) = jax.lax.scan(one_chunk, zeros, xs)
     dql = dql.reshape(chunks * per_chunk, hp, -1)[:n, :h]
     dqr = dqr.reshape(chunks * per_chunk, hp, -1)[:n, :h]
-    d_kv = tuple(a.astype(t.dtype) for a, t in zip(acc_kv, kv_tables, strict=True))
-    d_kr = tuple(a.astype(t.dtype) for a, t in zip(acc_kr, kr_tables, strict=True))
+    d_kv = tuple(None if a is None else a.astype(t.dtype) for a, t in zip(acc_kv, kv_tables, strict=True))
+    d_kr = tuple(None if a is None else a.astype(t.dtype) for a, t in zip(acc_kr, kr_tables, strict=True))
+    d_scales = None if kv_scales is None else (None,) * len(kv_scales)
     return (dql.reshape(q_shape).astype(ql.dtype), dqr.reshape(*q_shape[:3], -1).astype(qr.dtype), d_kv, d_kr,
-            None)
+            d_scales, None)
 
 
 _sparse_mla.defvjp(_sparse_mla_fwd, _sparse_mla_bwd)
 
 
 def sparse_mla_tables(q_lat: jax.Array, q_rope: jax.Array, kv_tables: tuple, kr_tables: tuple, codes: jax.Array, *,
-                      scale: float, interpret: bool = False, config: KernelConfig = DEFAULT_CONFIG):
+                      scale: float, interpret: bool = False, config: KernelConfig = DEFAULT_CONFIG,
+                      kv_scales: tuple | None = None):
     """Sparse MLA over rows of one or two tables.
 
     q_lat: [B,S,H,C], q_rope: [B,S,H,R]; kv_tables: ([Ra,C],) or ([Ra,C], [Rb,C]); kr_tables likewise with
-    R; codes: [B,S,K] int32 from `encode_rows` (rows of [A; B]). Returns (latent output [B,S,H,C] in
-    q_lat's dtype, log-sum-exp of the scaled logits [B,S,H] float32). Differentiable in q and the tables.
+    R; codes: [B,S,K] int32 from `encode_rows` (rows of [A; B]). kv_scales: None, or per kv table None or the
+    float32 scales [Ra] of its e4m3 rows (an FP8 cache, `model/cache_fp8.py`): the kernels dequantize each
+    selected row as `cache_fp8.read_rows` does (value x scale in float32, rounded once to q_lat's dtype).
+    Returns (latent output [B,S,H,C] in q_lat's dtype, log-sum-exp of the scaled logits [B,S,H] float32).
+    Differentiable in q and the tables, except a scaled table and its k_rope table: constants (an FP8 cache is
+    never differentiated), their gradient a symbolic zero.
     """
     problem = supported_widths(q_lat.shape[-1], q_rope.shape[-1])
     if problem is not None:
         raise ValueError(problem)
     if len(kv_tables) not in (1, 2) or len(kv_tables) != len(kr_tables):
         raise ValueError("sparse MLA kernel: one or two row tables, the same number for c_kv and k_rope")
-    return _sparse_mla(q_lat, q_rope, tuple(kv_tables), tuple(kr_tables), codes.astype(jnp.int32), float(scale),
-                       bool(interpret), config.for_dtype(q_lat.dtype).fitted(
+    kv_scales = _check_scales(kv_tables, kv_scales)
+    scaled = sum(s is not None for s in kv_scales or ())
+    return _sparse_mla(q_lat, q_rope, tuple(kv_tables), tuple(kr_tables), kv_scales, codes.astype(jnp.int32),
+                       float(scale), bool(interpret), config.for_dtype(q_lat.dtype).fitted(
                            q_lat.dtype, len(kv_tables), _pow2_at_least(q_lat.shape[2], 16), q_lat.shape[-1],
-                           q_rope.shape[-1], codes.shape[-1]))
+                           q_rope.shape[-1], codes.shape[-1], scaled=scaled))
+
+
+def _check_scales(kv_tables: tuple, kv_scales) -> tuple | None:
+    """`kv_scales` as a tuple aligned with `kv_tables` (None: no table has scales), or one line naming the problem."""
+    if kv_scales is None or all(s is None for s in kv_scales):
+        return None
+    if len(kv_scales) != len(kv_tables):
+        raise ValueError(f"sparse MLA kernel: kv_scales has {len(kv_scales)} entries for {len(kv_tables)} kv "
+                         "table(s); give one per table (None for a table without scales)")
+    for n, (table, scales) in enumerate(zip(kv_tables, kv_scales, strict=True)):
+        if scales is None:
+            continue
+        if jnp.dtype(table.dtype) != jnp.dtype(jnp.float8_e4m3fn) or scales.shape != table.shape[:1]:
+            raise ValueError(f"sparse MLA kernel: kv table {n} with scales must be float8_e4m3fn rows [rows, C] "
+                             f"with float32 scales [rows]; got {table.dtype} {table.shape} and scales "
+                             f"{scales.shape}")
+    return tuple(None if s is None else s.astype(jnp.float32) for s in kv_scales)

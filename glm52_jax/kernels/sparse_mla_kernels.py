@@ -65,22 +65,37 @@ def decode_rows(code):
     return valid, jnp.where(valid, code, -code - 1)
 
 
-def _gather(refs, rows, split_row, dtype):
-    """Rows `[bk]` of the table(s) `refs = (A,) or (A, B)` -> `[bk, width]` in `dtype`."""
+def _gather(refs, scale_refs, rows, split_row, dtype):
+    """Rows `[bk]` of the table(s) `refs = (A,) or (A, B)` -> `[bk, width]` in `dtype`. A table with a scale
+    ref (`scale_refs`, aligned with `refs`: e4m3 rows, one float32 scale per row) is dequantized as
+    `cache_fp8.read_rows` does: value x scale in float32, rounded once to `dtype`."""
     if len(refs) == 1:
-        return refs[0][rows, :].astype(dtype)
+        return _dequantize(refs[0][rows, :], scale_refs[0], rows, None, dtype)
     table_a, table_b = refs
     in_a = rows < split_row
-    from_a = _masked_rows(table_a, jnp.where(in_a, rows, 0), in_a)
-    from_b = _masked_rows(table_b, jnp.where(in_a, 0, rows - split_row), ~in_a)
-    return jnp.where(in_a[:, None], from_a.astype(dtype), from_b.astype(dtype))
+    rows_a, rows_b = jnp.where(in_a, rows, 0), jnp.where(in_a, 0, rows - split_row)
+    from_a = _dequantize(_masked_rows(table_a, rows_a, in_a), scale_refs[0], rows_a, in_a, dtype)
+    from_b = _dequantize(_masked_rows(table_b, rows_b, ~in_a), scale_refs[1], rows_b, ~in_a, dtype)
+    # A select, not a sum: the masked-off lanes of an e4m3 table are undefined (see `_masked_rows`).
+    return jnp.where(in_a[:, None], from_a, from_b)
+
+
+def _dequantize(values, scale_ref, rows, mask, dtype):
+    """Gathered rows `[bk, width]` in `dtype`; with `scale_ref` (float32 `[rows]`), times their rows' scales."""
+    if scale_ref is None:
+        return values.astype(dtype)
+    row_scale = plgpu.load(scale_ref.at[rows], mask=mask, other=None if mask is None else 1.0)
+    return (values.astype(jnp.float32) * row_scale[:, None]).astype(dtype)
 
 
 def _masked_rows(table, rows, mask):
-    """`table[rows]` where `mask` ([bk]), zeros elsewhere: only the masked-in rows are read."""
+    """`table[rows]` where `mask` ([bk]), zeros elsewhere (undefined for 1-byte rows): only the masked-in rows are
+    read."""
     # Full-array indices (not `rows, :`): the form both the Triton lowering and interpret mode take.
     cols = jnp.arange(table.shape[1], dtype=jnp.int32)[None, :]
-    return plgpu.load(table.at[rows[:, None], cols], mask=mask[:, None], other=0)
+    # No fill for float8 rows (Triton cannot splat an integer fill into float8 lanes): callers select around them.
+    fill = None if jnp.dtype(table.dtype).itemsize == 1 else 0
+    return plgpu.load(table.at[rows[:, None], cols], mask=mask[:, None], other=fill)
 
 
 def _scores(ql, qr, kv, kr, valid, scale, precision):
@@ -91,9 +106,17 @@ def _scores(ql, qr, kv, kr, valid, scale, precision):
 
 # -- forward ------------------------------------------------------------------------------------
 
-def _forward_kernel(code_ref, ql_ref, qr_ref, *refs, num_tables, split_row, scale, block_k, steps):
+def _split_refs(refs, num_tables, scaled):
+    """The kernels' table refs: (kv tables, kr tables, kv scale refs aligned with the kv tables (None where a table
+    has no scales), the refs after them)."""
     kv_refs, kr_refs = refs[:num_tables], refs[num_tables:2 * num_tables]
-    o_ref, m_ref, l_ref = refs[2 * num_tables:]
+    rest = list(refs[2 * num_tables:])
+    scale_refs = tuple(rest.pop(0) if has else None for has in scaled)
+    return kv_refs, kr_refs, scale_refs, rest
+
+
+def _forward_kernel(code_ref, ql_ref, qr_ref, *refs, num_tables, scaled, split_row, scale, block_k, steps):
+    kv_refs, kr_refs, scale_refs, (o_ref, m_ref, l_ref) = _split_refs(refs, num_tables, scaled)
     ql, qr = ql_ref[...], qr_ref[...]
     precision = _precision(ql.dtype)
     heads, width = ql.shape
@@ -101,8 +124,8 @@ def _forward_kernel(code_ref, ql_ref, qr_ref, *refs, num_tables, split_row, scal
     def body(j, carry):
         acc, m, l = carry
         valid, rows = decode_rows(code_ref[pl.ds(j * block_k, block_k)])
-        kv = _gather(kv_refs, rows, split_row, ql.dtype)
-        kr = _gather(kr_refs, rows, split_row, ql.dtype)
+        kv = _gather(kv_refs, scale_refs, rows, split_row, ql.dtype)
+        kr = _gather(kr_refs, (None,) * num_tables, rows, split_row, ql.dtype)
         s = _scores(ql, qr, kv, kr, valid, scale, precision)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
@@ -119,17 +142,28 @@ def _forward_kernel(code_ref, ql_ref, qr_ref, *refs, num_tables, split_row, scal
     l_ref[...] = l
 
 
+def _scale_args(kv_scales, num_tables):
+    """(static per-table flags, the scale vectors present) of `kv_scales` (None, or one entry per kv table:
+    a float32 [rows] vector or None)."""
+    kv_scales = (None,) * num_tables if kv_scales is None else tuple(kv_scales)
+    return tuple(s is not None for s in kv_scales), [s for s in kv_scales if s is not None]
+
+
 def forward(codes, q_lat, q_rope, kv_tables, kr_tables, *, scale, block_k, splits, num_warps, num_stages,
-            interpret, out_dtype):
+            interpret, out_dtype, kv_scales=None):
     """codes: [N, K] (K a multiple of splits * block_k); q_lat: [N, Hp, C]; q_rope: [N, Hp, R]; tables as
-    in `_gather`. Returns per split (o [N, splits, Hp, C] normalised, m [N, splits, Hp], l [N, splits, Hp])."""
+    in `_gather`; kv_scales: None or per kv table its rows' float32 scales [Ra] (e4m3 rows) or None.
+    Returns per split (o [N, splits, Hp, C] normalised, m [N, splits, Hp], l [N, splits, Hp])."""
     n, k = codes.shape
     _, heads, width = q_lat.shape
     rope = q_rope.shape[-1]
     per_split = k // splits
-    kernel = functools.partial(_forward_kernel, num_tables=len(kv_tables), split_row=kv_tables[0].shape[0],
-                               scale=scale, block_k=block_k, steps=per_split // block_k)
-    whole = [pl.BlockSpec(t.shape, lambda i, j: (0, 0)) for t in (*kv_tables, *kr_tables)]
+    scaled, scale_vectors = _scale_args(kv_scales, len(kv_tables))
+    kernel = functools.partial(_forward_kernel, num_tables=len(kv_tables), scaled=scaled,
+                               split_row=kv_tables[0].shape[0], scale=scale, block_k=block_k,
+                               steps=per_split // block_k)
+    whole = [pl.BlockSpec(t.shape, functools.partial(_origin, t.ndim))
+             for t in (*kv_tables, *kr_tables, *scale_vectors)]
     return pl.pallas_call(
         kernel,
         grid=(n, splits),
@@ -147,18 +181,18 @@ def forward(codes, q_lat, q_rope, kv_tables, kr_tables, *, scale, block_k, split
         # Reads each query's K selected rows (not the whole tables it is given), writes o, m, l.
         # FLOPs: per query, head and selected row the score over C + R dims and the value sum over C.
         name=kernels.traffic_name("sparse_mla_forward", codes.nbytes + q_lat.nbytes + q_rope.nbytes
-                                  + n * k * (width + rope) * kv_tables[0].dtype.itemsize
+                                  + n * k * (width * kv_tables[0].dtype.itemsize
+                                             + rope * kr_tables[0].dtype.itemsize + 4 * len(scale_vectors))
                                   + n * splits * heads * (width * jnp.dtype(out_dtype).itemsize + 8),
                                   flops=2 * n * k * heads * (2 * width + rope)),
-    )(codes, q_lat, q_rope, *kv_tables, *kr_tables)
+    )(codes, q_lat, q_rope, *kv_tables, *kr_tables, *scale_vectors)
 
 
 # -- backward -----------------------------------------------------------------------------------
 
-def _backward_kernel(code_ref, ql_ref, qr_ref, do_ref, m_ref, l_ref, delta_ref, *refs, num_tables, split_row,
-                     scale, block_k, steps):
-    kv_refs, kr_refs = refs[:num_tables], refs[num_tables:2 * num_tables]
-    dql_ref, dqr_ref, dkv_ref, dkr_ref = refs[2 * num_tables:]
+def _backward_kernel(code_ref, ql_ref, qr_ref, do_ref, m_ref, l_ref, delta_ref, *refs, num_tables, scaled,
+                     split_row, scale, block_k, steps):
+    kv_refs, kr_refs, scale_refs, (dql_ref, dqr_ref, dkv_ref, dkr_ref) = _split_refs(refs, num_tables, scaled)
     ql, qr, do = ql_ref[...], qr_ref[...], do_ref[...]
     m, inv_l, delta = m_ref[...], 1.0 / l_ref[...], delta_ref[...]
     precision = _precision(ql.dtype)
@@ -167,8 +201,8 @@ def _backward_kernel(code_ref, ql_ref, qr_ref, do_ref, m_ref, l_ref, delta_ref, 
         dql, dqr = carry
         slots = pl.ds(j * block_k, block_k)
         valid, rows = decode_rows(code_ref[slots])
-        kv = _gather(kv_refs, rows, split_row, ql.dtype)
-        kr = _gather(kr_refs, rows, split_row, ql.dtype)
+        kv = _gather(kv_refs, scale_refs, rows, split_row, ql.dtype)
+        kr = _gather(kr_refs, (None,) * num_tables, rows, split_row, ql.dtype)
         s = _scores(ql, qr, kv, kr, valid, scale, precision)
         p = jnp.exp(s - m[:, None]) * inv_l[:, None]  # [Hp, bk]
         dp = _dot_t(do, kv, precision)
@@ -189,10 +223,11 @@ def _backward_kernel(code_ref, ql_ref, qr_ref, do_ref, m_ref, l_ref, delta_ref, 
 
 
 def backward(codes, q_lat, q_rope, d_out, m, l, delta, kv_tables, kr_tables, *, scale, block_k, block_h, splits,
-             num_warps, num_stages, interpret):
+             num_warps, num_stages, interpret, kv_scales=None):
     """Per query, head block of `block_h` heads and slot split: dq partial sums (float32 [N, splits, Hp, C] /
     [.., R]) and the head block's share of the per-slot key-row gradients (float32 [Hp/block_h, N, K, C] /
-    [.., R]). m, l, delta: [N, Hp] float32 (delta = rowsum(do * o) - dlse).
+    [.., R]; for a scaled table's slots, the gradient of the dequantized row). m, l, delta: [N, Hp] float32
+    (delta = rowsum(do * o) - dlse); kv_scales as in `forward`.
 
     Head blocks keep the per-program tiles within shared memory: q_lat and do each serve as an MMA
     operand on both sides (A of q kv^T / do kv^T, B of ds^T q / p^T do), four [block_h, C] tiles.
@@ -202,9 +237,12 @@ def backward(codes, q_lat, q_rope, d_out, m, l, delta, kv_tables, kr_tables, *, 
     rope = q_rope.shape[-1]
     per_split = k // splits
     head_blocks = heads // block_h
-    kernel = functools.partial(_backward_kernel, num_tables=len(kv_tables), split_row=kv_tables[0].shape[0],
-                               scale=scale, block_k=block_k, steps=per_split // block_k)
-    whole = [pl.BlockSpec(t.shape, lambda i, h, j: (0, 0)) for t in (*kv_tables, *kr_tables)]
+    scaled, scale_vectors = _scale_args(kv_scales, len(kv_tables))
+    kernel = functools.partial(_backward_kernel, num_tables=len(kv_tables), scaled=scaled,
+                               split_row=kv_tables[0].shape[0], scale=scale, block_k=block_k,
+                               steps=per_split // block_k)
+    whole = [pl.BlockSpec(t.shape, functools.partial(_origin, t.ndim))
+             for t in (*kv_tables, *kr_tables, *scale_vectors)]
     per_head = pl.BlockSpec((None, block_h), lambda i, h, j: (i, h))
 
     def tile(w):
@@ -234,7 +272,7 @@ def backward(codes, q_lat, q_rope, d_out, m, l, delta, kv_tables, kr_tables, *, 
                                   + 3 * m.nbytes + head_blocks * n * k * (width + rope) * (
                                       kv_tables[0].dtype.itemsize + 4) + n * splits * heads * (width + rope) * 4,
                                   flops=2 * n * k * heads * (3 * (width + rope) + 2 * width)),
-    )(codes, q_lat, q_rope, d_out, m, l, delta, *kv_tables, *kr_tables)
+    )(codes, q_lat, q_rope, d_out, m, l, delta, *kv_tables, *kr_tables, *scale_vectors)
 
 
 # -- deterministic scatter-add ------------------------------------------------------------------

@@ -399,10 +399,11 @@ def lse_attention(q_lat, q_rope, rows, topk, keep, scale, axes, key_block: int |
     combine, whose all-reduces are [B,S,H] and [B,S,H,C] float32 whatever K is.
 
     When `kernels` selects the Pallas kernels (`sparse_attention.pallas_interpret`) and `rows` is read in place
-    (a `CachedRows`: not an FP8 cache, whose per-row scales the kernel does not take), each block runs
-    `sparse_mla_tables` over `rows.tables()` (this device's cache stack and the chunk's rows, in place) with the
-    keys it does not keep masked, on queries cast to `dtype` (default q_lat's: the callers hold float32 copies of
-    model-dtype queries); its (normalized output, log-sum-exp) is the partial (m = lse, l = 1, o = out)."""
+    (a `CachedRows`, an FP8 cache's included: the kernel dequantizes its e4m3 rows with `rows.kv_scales()`), each
+    block runs `sparse_mla_tables` over `rows.tables(dtype)` (this device's cache stack and the chunk's rows, in
+    place) with the keys it does not keep masked, on queries cast to `dtype` (default q_lat's: the callers hold
+    float32 copies of model-dtype queries); its (normalized output, log-sum-exp) is the partial (m = lse, l = 1,
+    o = out)."""
     interpret = pallas_interpret(kernels, q_lat, q_rope) if getattr(rows, "in_place", False) else None
     k = topk.shape[-1]
     kb = min(KEY_BLOCK if key_block is None else key_block, k)
@@ -434,12 +435,14 @@ def lse_attention(q_lat, q_rope, rows, topk, keep, scale, axes, key_block: int |
         return m, jnp.sum(p, axis=-1), o
 
     if interpret is not None:
-        tables = rows.tables()  # once, outside the loop: the chunk's rows cast to the cache dtype (table B)
         q_k, qr_k = (a if dtype is None else a.astype(dtype) for a in (q_lat, q_rope))
+        # Once, outside the loop: the chunk's rows cast to the cache dtype (table B; an FP8 cache's: the queries').
+        tables, kv_scales = rows.tables(q_k.dtype), rows.kv_scales()
 
     def kernel(idx, kept):  # the kernel's (out, lse) of one block as a partial softmax
         codes = encode_rows(rows.row_ids(jnp.where(kept, idx, 0)), kept)
-        out, lse = sparse_mla_tables(q_k, qr_k, *tables, codes, scale=scale, interpret=interpret)
+        out, lse = sparse_mla_tables(q_k, qr_k, *tables, codes, scale=scale, interpret=interpret,
+                                     kv_scales=kv_scales)
         # A query keeping no key of this block gets the kernel's finite masked average (lse ~ -1e30): weight 0.
         some = jnp.any(kept, axis=-1)[..., None]  # [B,S,1]
         return (jnp.where(some, lse, -jnp.inf), jnp.broadcast_to(some, lse.shape).astype(jnp.float32),

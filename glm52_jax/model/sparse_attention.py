@@ -38,11 +38,11 @@ class ArrayRows:
     """Row source for keys held as plain arrays `c_kv: [B,T,C], k_rope: [B,T,R]`.
 
     Called with `idx: [B,s,K]` (all >= 0) it gathers `([B,s,K,C], [B,s,K,R])` (the reference path);
-    `tables()` / `row_ids(idx)` describe the same rows to the kernels: flat tables `[B*T, *]` and the
-    absolute row of each slot.
+    `tables()` / `kv_scales()` / `row_ids(idx)` describe the same rows to the kernels: flat tables `[B*T, *]`
+    (no scales) and the absolute row of each slot.
     """
 
-    # The kernels may read these rows in place from `tables()` (see `CachedRows.in_place`).
+    # The kernels may read these rows in place from `tables()` (as every `CachedRows`, FP8 caches included).
     in_place = True
 
     def __init__(self, c_kv: jax.Array, k_rope: jax.Array):
@@ -51,9 +51,13 @@ class ArrayRows:
     def __call__(self, idx: jax.Array):
         return _gather_rows(self.c_kv, idx), _gather_rows(self.k_rope, idx)
 
-    def tables(self):
+    def tables(self, dtype=None):
+        del dtype  # the rows are the caller's arrays, as they are
         batch, keys = self.c_kv.shape[:2]
         return (self.c_kv.reshape(batch * keys, -1),), (self.k_rope.reshape(batch * keys, -1),)
+
+    def kv_scales(self):
+        return None
 
     def row_ids(self, idx: jax.Array) -> jax.Array:
         batch, keys = self.c_kv.shape[:2]
@@ -74,18 +78,21 @@ class CachedRows:
     shared by all B rows (`model/shared_cache.py`: one prompt cache, `new_*` each row's suffix and
     chunk). For the kernels the tables are the whole stack flattened to rows (A) and the chunk's rows (B).
 
-    An FP8 cache (`c_scale: [..., B, Cap]`, the e4m3 `cache_c` rows' scales) is read by gathering: the
-    selected e4m3 rows and their scales are gathered and only those rows dequantized (to the chunk's dtype).
-    The kernels read rows of the cache table in place and know no per-row scale, so such a source is not
-    `in_place` and `sparse_mla_rows` takes the reference (gathered) path for it.
+    An FP8 cache (`c_scale: [..., B, Cap]`, the e4m3 `cache_c` rows' scales): the reference gathers the
+    selected e4m3 rows and their scales and dequantizes only those rows (to the chunk's dtype); the kernels
+    read the e4m3 rows in place too, with the stack's scales flattened beside table A (`kv_scales()`), and
+    dequantize each selected row as they load it (the same rounding). Such a cache is a constant for the
+    kernels: its tables (c_kv and k_rope) get no gradient, the chunk's rows (table B) and the queries do.
     """
+
+    # Every cache is read in place by the kernels (an FP8 one with its scales).
+    in_place = True
 
     def __init__(self, cache_c, cache_r, index: tuple, length, new_c, new_r, c_scale=None):
         self.cache_c, self.cache_r, self.new_c, self.new_r = cache_c, cache_r, new_c, new_r
         self.lead = tuple(jnp.asarray(i, jnp.int32) for i in index)
         self.length = length
         self.c_scale = c_scale
-        self.in_place = c_scale is None
 
     def _slots(self, idx):
         b = jnp.arange(idx.shape[0], dtype=jnp.int32)[:, None, None]
@@ -110,9 +117,21 @@ class CachedRows:
             out.append(jnp.where(in_cache[..., None], past, mine))
         return tuple(out)
 
-    def tables(self):
-        return tuple((cached.reshape(-1, cached.shape[-1]), fresh.astype(cached.dtype).reshape(-1, cached.shape[-1]))
+    def tables(self, dtype=None):
+        """(kv tables, kr tables): the whole stack flattened to rows (A) and the chunk's rows (B) in the cache's
+        dtype, or for an FP8 cache in `dtype` (the kernel's compute dtype; default the chunk's) beside the e4m3
+        rows and the cache's k_rope."""
+        def chunk_dtype(cached):
+            if self.c_scale is None:
+                return cached.dtype
+            return self.new_c.dtype if dtype is None else dtype
+        return tuple((cached.reshape(-1, cached.shape[-1]),
+                      fresh.astype(chunk_dtype(cached)).reshape(-1, cached.shape[-1]))
                      for cached, fresh in ((self.cache_c, self.new_c), (self.cache_r, self.new_r)))
+
+    def kv_scales(self):
+        """None, or for an FP8 cache the scales of table A's rows (`[rows]` float32) and None for table B."""
+        return None if self.c_scale is None else (self.c_scale.reshape(-1), None)
 
     def row_ids(self, idx: jax.Array) -> jax.Array:
         b, in_cache, old, new = self._slots(idx)
@@ -157,14 +176,16 @@ def pallas_interpret(kernels: str, q_lat: jax.Array, q_rope: jax.Array) -> bool 
 def sparse_mla_rows(q_lat: jax.Array, q_rope: jax.Array, rows, topk: jax.Array, *, scale: float,
                     query_block: int, kernels: str = "reference") -> jax.Array:
     """`sparse_mla` with the keys given as a row source (`ArrayRows` / `CachedRows`, or any callable
-    `rows(idx [B,s,K]) -> ([B,s,K,C], [B,s,K,R])` for the reference). A source that is not `in_place` (an
-    FP8 cache's rows: `CachedRows`) always takes the reference's gathered path."""
+    `rows(idx [B,s,K]) -> ([B,s,K,C], [B,s,K,R])` for the reference). With the kernels, an FP8 cache's rows
+    (`CachedRows` with `c_scale`) are read in place and dequantized by the kernel; a source that is not
+    `in_place` always takes the reference's gathered path."""
     interpret = pallas_interpret(kernels, q_lat, q_rope) if getattr(rows, "in_place", True) else None
     if interpret is not None:
         valid = topk >= 0
         codes = encode_rows(rows.row_ids(jnp.where(valid, topk, 0)), valid)
-        kv_tables, kr_tables = rows.tables()
-        return sparse_mla_tables(q_lat, q_rope, kv_tables, kr_tables, codes, scale=scale, interpret=interpret)[0]
+        kv_tables, kr_tables = rows.tables(q_lat.dtype)
+        return sparse_mla_tables(q_lat, q_rope, kv_tables, kr_tables, codes, scale=scale, interpret=interpret,
+                                 kv_scales=rows.kv_scales())[0]
     batch, seq, heads, _ = q_lat.shape
     qb = min(query_block, seq)
     pad = (-seq) % qb

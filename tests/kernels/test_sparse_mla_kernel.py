@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from glm52_jax.kernels.sparse_mla import DEFAULT_CONFIG, encode_rows, sparse_mla_tables
+from glm52_jax.model import cache_fp8
 from glm52_jax.model.indexer import streaming_topk
 from glm52_jax.model.sparse_attention import array_rows, cached_rows, sparse_mla, sparse_mla_rows
 
@@ -180,3 +181,60 @@ def test_dispatch(prefill_f32):
     with pytest.raises(ValueError, match="not a power of two"):
         sparse_mla(q_lat[..., :24], q_rope, c_kv[..., :24], k_rope, topk, scale=SCALE, query_block=4,
                    kernels="pallas")
+
+
+def test_fp8_cache_table_equals_the_dequantized_rows():
+    """An FP8 cache (`cache_fp8`: e4m3 c_kv rows, one float32 scale per row; k_rope unquantized) read in place as
+    table A with its scales beside the chunk's rows (table B): the kernel dequantizes each selected row as
+    `read_rows` does, so output, log-sum-exp and the gradients of q and the chunk's rows equal the reference over
+    the dequantized rows to float32 rounding. The cache's tables are constants: their gradient is zero."""
+    ks = jax.random.split(jax.random.key(5), 8)
+    b, s, cap, length, k = 2, 5, 24, 10, 12
+    # Rows of very different magnitudes: each needs its own scale.
+    cache = _normal(ks[0], (2, b, cap, C)) * jnp.exp(2 * _normal(ks[7], (2, b, cap, 1)))
+    cache_c, c_scale = cache_fp8.quantize_rows(cache)
+    cache_r, new_c, new_r = _normal(ks[1], (2, b, cap, R)), _normal(ks[2], (b, s, C)), _normal(ks[3], (b, s, R))
+    q_lat, q_rope = _normal(ks[4], (b, s, H, C)), _normal(ks[5], (b, s, H, R))
+    visible = length + jnp.arange(s)[None, :, None]
+    scores = jnp.where(jnp.arange(cap)[None, None, :] <= visible, jax.random.uniform(ks[6], (b, s, cap)), -1.0)
+    vals, topk = jax.lax.top_k(scores, k)
+    topk = jnp.where(vals < 0, -1, topk).astype(jnp.int32).at[1, 0].set(-1)  # query (1, 0): no key at all
+    assert c_scale.dtype == jnp.float32 and float(jnp.max(c_scale) / jnp.min(c_scale)) > 100
+
+    def kernel(q_lat, q_rope, new_c, new_r, cache_r):  # (out, lse)
+        rows = cached_rows(cache_c, cache_r, (1,), jnp.int32(length), new_c, new_r, c_scale)
+        valid = topk >= 0
+        codes = encode_rows(rows.row_ids(jnp.where(valid, topk, 0)), valid)
+        return sparse_mla_tables(q_lat, q_rope, *rows.tables(q_lat.dtype), codes, scale=SCALE, interpret=True,
+                                 kv_scales=rows.kv_scales())
+
+    def kernel_rows(q_lat, q_rope, new_c, new_r, cache_r):  # the same through `sparse_mla_rows`' dispatch
+        rows = cached_rows(cache_c, cache_r, (1,), jnp.int32(length), new_c, new_r, c_scale)
+        return sparse_mla_rows(q_lat, q_rope, rows, topk, scale=SCALE, query_block=4, kernels="pallas")
+
+    def dense(new_c, new_r, cache_r):  # slot order: the cache's first `length` slots, then the chunk's rows
+        deq = cache_fp8.read_rows(cache_c[1, :, :length], c_scale[1, :, :length], jnp.float32)
+        return jnp.concatenate([deq, new_c], 1), jnp.concatenate([cache_r[1, :, :length], new_r], 1)
+
+    def reference(q_lat, q_rope, new_c, new_r, cache_r):
+        c_kv, k_rope = dense(new_c, new_r, cache_r)
+        return sparse_mla(q_lat, q_rope, c_kv, k_rope, topk, scale=SCALE, query_block=4)
+
+    def reference_lse(q_lat, q_rope, new_c, new_r, cache_r):
+        return _reference_lse(q_lat, q_rope, *dense(new_c, new_r, cache_r), topk)
+
+    args = (q_lat, q_rope, new_c, new_r, cache_r)
+    out, lse, grads = _value_and_grads(kernel_rows, lambda *a: kernel(*a)[1], args, 5)
+    ref_out, ref_lse, ref_grads = _value_and_grads(reference, reference_lse, args, 5)
+    assert _rel(out, ref_out) <= RTOL
+    real = np.asarray(topk[..., 0] >= 0)
+    assert _rel(np.asarray(lse)[real], np.asarray(ref_lse)[real]) <= RTOL
+    for name, g, r in zip(("q_lat", "q_rope", "new_c", "new_r"), grads[:4], ref_grads[:4], strict=True):
+        assert _rel(g, r) <= RTOL, (name, _rel(g, r))
+    assert np.abs(np.asarray(ref_grads[4])).max() > 0 and not np.asarray(grads[4]).any()  # the cache: a constant
+    # The jnp FP8 path (`CachedRows` gathering and dequantizing the selected rows) agrees too.
+    rows = cached_rows(cache_c, cache_r, (1,), jnp.int32(length), new_c, new_r, c_scale)
+    assert _rel(sparse_mla_rows(q_lat, q_rope, rows, topk, scale=SCALE, query_block=4), ref_out) <= RTOL
+    with pytest.raises(ValueError, match="kv table 0 with scales must be float8_e4m3fn"):
+        sparse_mla_tables(q_lat, q_rope, (new_c.reshape(-1, C),), (new_r.reshape(-1, R),),
+                          jnp.zeros((b, s, k), jnp.int32), scale=SCALE, kv_scales=(jnp.ones((b * s,)),))

@@ -130,16 +130,22 @@ def test_own_first_puts_kept_keys_first_and_counts_the_most():
 
 # ~10 s each (interpret mode): 8 ways is `slow` for CI's budget (tests/parallel/test_cached_kernel.py runs a layer over
 # an 8-way strided cache on the kernel in CI).
-@pytest.mark.parametrize(("ways", "shared"), [pytest.param(8, False, marks=pytest.mark.slow), (4, True)])
-def test_kernel_partial_attention_equals_the_gathered_one(ways, shared):
+@pytest.mark.parametrize(("ways", "shared", "quantized"), [pytest.param(8, False, False, marks=pytest.mark.slow),
+                                                           (4, True, False), (4, False, True)])
+def test_kernel_partial_attention_equals_the_gathered_one(ways, shared, quantized):
     """kernels="pallas" (the sparse MLA kernel, interpret mode here): each device's blocks of kept keys run on
     `sparse_mla_tables` over its local stack (read in place at stack index (1,), local row = slot // ways) and the
     chunk's rows, and the log-sum-exp combine of the kernel's (out, lse) equals the gathered jnp path, output and
     gradients (q, the cache's rows, the chunk's rows), on the slot shards of both test meshes (8: folded=8, 4:
     context=4). Key blocks of 4 (several per device, empty ones skipped); one query selects only device 0's slots
     (every other device has no key for it), one selects nothing (output 0), one has padding slots. `shared`: one
-    batch-1 stack read by both rows (`shared_cache`'s prompt), the chunk rows each row's suffix."""
+    batch-1 stack read by both rows (`shared_cache`'s prompt), the chunk rows each row's suffix. `quantized`: an FP8
+    cache (e4m3 c_kv rows and their scales, sharded alike) read in place by the kernel against the jnp FP8 path
+    (gathered rows dequantized); the cache is a constant for the kernel (zero gradient), q and the chunk's rows
+    get the same gradients."""
     from jax.sharding import PartitionSpec as P
+
+    from glm52_jax.model import cache_fp8
 
     cap, length, b, s, h, c, r, k = 32, 20, 2, 3, 4, 16, 16, 12
     keys = jax.random.split(jax.random.key(1), 6)
@@ -149,6 +155,9 @@ def test_kernel_partial_attention_equals_the_gathered_one(ways, shared):
     cache_c = jax.random.normal(keys[2], (2, cache_b, cap, c))  # [stack, B, Cap, C]: the layer is stack index 1
     cache_r = jax.random.normal(keys[3], (2, cache_b, cap, r))
     c_new, r_new = jax.random.normal(keys[4], (b, s, c)), jax.random.normal(keys[5], (b, s, r))
+    scales = None
+    if quantized:  # rows of different magnitudes (1x to 4x): each needs its own scale
+        cache_c, scales = cache_fp8.quantize_rows(cache_c * (1.0 + jnp.arange(cap, dtype=jnp.float32) % 4)[:, None])
     rng = np.random.default_rng(1)
     topk = np.stack([np.stack([rng.permutation(length + s)[:k] for _ in range(s)]) for _ in range(b)])
     topk[0, 1, -5:] = -1  # padding slots
@@ -161,17 +170,21 @@ def test_kernel_partial_attention_equals_the_gathered_one(ways, shared):
     slots, rep = P(None, None, "x"), P()
 
     def attention(kernels):
-        def per_device(q_lat, q_rope, cache_c, cache_r, c_new, r_new):
+        def per_device(q_lat, q_rope, cache_c, cache_r, c_new, r_new, scales):
             return context_parallel._partial_attention(
                 q_lat, q_rope, topk, cache_c, cache_r, (1,), c_new, r_new, jnp.int32(length),
-                jax.lax.axis_index("x"), layout, 0.3, ("x",), kernels=kernels)
+                jax.lax.axis_index("x"), layout, 0.3, ("x",), scales, kernels=kernels)
 
-        return jax.shard_map(per_device, mesh=mesh, in_specs=(rep, rep, slots, slots, rep, rep), out_specs=rep,
-                             check_vma=False)
+        return jax.shard_map(per_device, mesh=mesh, in_specs=(rep, rep, slots, slots, rep, rep,
+                                                              None if scales is None else P(None, None, "x")),
+                             out_specs=rep, check_vma=False)
 
     put = lambda a, spec: jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))  # noqa: E731
     args = (put(q_lat, rep), put(q_rope, rep), put(layout.from_slots(cache_c, 2), slots),
-            put(layout.from_slots(cache_r, 2), slots), put(c_new, rep), put(r_new, rep))
+            put(layout.from_slots(cache_r, 2), slots), put(c_new, rep), put(r_new, rep),
+            None if scales is None else put(layout.from_slots(scales, 2), P(None, None, "x")))
+    names = ("q_lat", "q_rope", "cache_c", "cache_r", "c_new", "r_new")
+    diff = (0, 1, 3, 4, 5) if quantized else tuple(range(6))  # (no gradient of e4m3 rows)
     old = context_parallel.KEY_BLOCK
     context_parallel.KEY_BLOCK = 4
     try:
@@ -180,15 +193,17 @@ def test_kernel_partial_attention_equals_the_gathered_one(ways, shared):
         for kernels in ("pallas", "reference"):  # one program each: the output rides along as the loss's aux
             fn = attention(kernels)
             loss = lambda *a, fn=fn: (jnp.sum(jnp.sin(out := fn(*a))), out)  # noqa: E731
-            (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=range(6), has_aux=True))(*args)
-            results.append((out, grads))
+            (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=diff, has_aux=True))(*args)
+            results.append((out, dict(zip((names[i] for i in diff), grads, strict=True))))
     finally:
         context_parallel.KEY_BLOCK = old
     (got, got_grads), (want, want_grads) = results
     np.testing.assert_array_equal(np.asarray(want)[1, 0], 0.0)  # the query with no key
     assert np.abs(np.asarray(want)[1, 2]).min() > 0
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    for name, g, w in zip(("q_lat", "q_rope", "cache_c", "cache_r", "c_new", "r_new"), got_grads, want_grads,
-                          strict=True):
+    if quantized:  # the FP8 cache's tables are constants for the kernel; the jnp path differentiates its k_rope
+        want_r, got_r = (np.asarray(g.pop("cache_r")) for g in (want_grads, got_grads))
+        assert np.abs(want_r).max() > 0 and not got_r.any()
+    for name, w in want_grads.items():
         assert np.abs(np.asarray(w)).max() > 0, name
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(np.asarray(got_grads[name]), np.asarray(w), rtol=1e-5, atol=1e-5, err_msg=name)
