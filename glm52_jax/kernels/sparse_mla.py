@@ -103,7 +103,8 @@ def forward_shared_memory(heads: int, latent: int, rope: int, itemsize: int, tab
     compiles (benchmarks/results/sparse_mla_compile_stats.json) used 221,440 B for this bound's 225,280 (bf16,
     64 heads, C 512, R 64, 64 slots, 2 stages); Triton's pipeliner may buffer fewer (3 stages: 2 buffers).
     `scaled` of the tables hold e4m3 c_kv rows: their pipelined loads are 1-byte [block_k, C] rows and [block_k]
-    float32 scales (the operand buffer holds the dequantized rows, `itemsize`)."""
+    float32 scales (the operand buffer holds the dequantized rows, `itemsize`): bf16, two tables, one scaled, 32
+    slots, 2 stages used 168,448 B for this bound's 172,160 (the same tiles on bf16 tables: 184,704)."""
     return ((heads + (tables * (stages - 1) + 1) * block_k) * (latent + rope) * itemsize + _SCRATCH
             - _scaled_saving(latent, itemsize, scaled, block_k, stages))
 
@@ -120,10 +121,12 @@ def backward_shared_memory(latent: int, rope: int, itemsize: int, tables: int, b
     staged for the store and the gathered row in both MMA layouts ((C + R) x (4 + 2 x itemsize)), plus `stages - 1`
     pipelined loads per table. The head block's query tiles stay in registers (compiles at 16 and 32 heads used
     the same bytes). An upper bound: bf16, C 512, R 64, 32 slots used 135,168 B for this bound's 151,552.
-    `scaled`: as in `forward_shared_memory` (the MMA layouts hold dequantized rows)."""
+    `scaled` e4m3 tables (as in `forward_shared_memory`) add, per slot of a step, their [C] row staged once more in
+    e4m3 and in `itemsize` (C x (1 + itemsize)): bf16, two tables, one scaled, 32 slots used 184,320 B (the same
+    kernel on bf16 tables 135,168) for this bound's 200,704 (sm_90a; tests/kernels/test_sparse_mla_tiles.py)."""
     width = latent + rope
     return (block_k * width * (4 + 2 * itemsize) + tables * (stages - 1) * block_k * width * itemsize + _SCRATCH
-            - _scaled_saving(latent, itemsize, scaled, block_k, stages))
+            + scaled * block_k * latent * (1 + itemsize) - _scaled_saving(latent, itemsize, scaled, block_k, stages))
 
 
 def _fit(block_k: int, stages: int, need, limit: int, kernel: str, dtype, heads: int, width: int,
