@@ -2,7 +2,9 @@
 on this CPU mesh) equals the jnp path (kernels="reference"): the layer's output and the LoRA gradients, for both
 cached readers, `context_parallel.cp_cached_attention` (a chunk against its own batch's cache) and
 `shared_cache` (G rows against one batch-1 prompt cache plus their suffixes). A float32 tiny layer whose top-k
-comes from an earlier layer (a 'shared' indexer layer: no indexer kernel in the program)."""
+comes from an earlier layer (a 'shared' indexer layer: no indexer kernel in the program). `quantized`: an FP8 cache
+(e4m3 c_kv rows and their per-row scales, sharded by slot like them): the kernel reads the e4m3 rows in place, the jnp
+path gathers and dequantizes them."""
 
 import dataclasses
 
@@ -17,7 +19,7 @@ from lora_utils import fast_rngs, with_random_b
 import glm52_jax
 from glm52_jax import config
 from glm52_jax import positions as rope_lib
-from glm52_jax.model import context_parallel
+from glm52_jax.model import cache_fp8, context_parallel
 from glm52_jax.model.kv_cache import CACHE_AXES, LayerCacheView, SlotLayout, slot_ways
 from glm52_jax.model.lora import LoRA, LoRAConfig
 from glm52_jax.model.mla import Attention
@@ -51,18 +53,21 @@ def _inputs(shared: bool):
     return x, stacks, suffix, jnp.asarray(topk)
 
 
-def _layer_results(spec: str, shared: bool):
+def _layer_results(spec: str, shared: bool, quantized: bool = False):
     """{kernels: (y, LoRA gradients)} of one cached chunk under the mesh `spec`."""
     model = with_random_b(Attention(CFG, False, OPTS, rngs=fast_rngs()), seed=4)
     graphdef, lora, rest = nnx.split(model, LoRA, ...)
     x, stacks, suffix, topk = _inputs(shared)
+    if quantized:  # (e4m3 c_kv, k_rope, c_kv's scales [1,1,B,CAP])
+        stacks = (*cache_fp8.quantize_rows(stacks[0] * (1.0 + jnp.arange(CAP) % 4)[:, None]), stacks[1])
+        stacks = (stacks[0], stacks[2], stacks[1])
     mesh_spec = parse_mesh(spec)
     mesh = mesh_spec.make()
     with axis_rules(mesh_spec.rules()), jax.set_mesh(mesh):
         ways = slot_ways()
         layout = SlotLayout(ways)
         spec_of = lambda axes: NamedSharding(mesh, logical_to_spec(axes, mesh_axes=mesh.axis_names))  # noqa: E731
-        stacks = tuple(jax.device_put(layout.from_slots(a, 3), spec_of(CACHE_AXES)) for a in stacks)
+        stacks = tuple(jax.device_put(layout.from_slots(a, 3), spec_of(CACHE_AXES[:a.ndim])) for a in stacks)
         if suffix is not None:
             suffix = tuple(jax.device_put(a, spec_of(SUFFIX_AXES)) for a in suffix)
         start = LENGTH + (SUFFIX if shared else 0)
@@ -72,7 +77,7 @@ def _layer_results(spec: str, shared: bool):
         def loss(lora, x, stacks, suffix, kernels):
             layer = nnx.merge(graphdef, lora, rest)
             layer.opts = dataclasses.replace(OPTS, kernels=kernels)
-            view = LayerCacheView(*stacks, None, (0, 0), None, jnp.int32(LENGTH), stride=ways)
+            view = LayerCacheView(*stacks[:2], None, (0, 0), None, jnp.int32(LENGTH), *stacks[2:], stride=ways)
             if suffix is not None:
                 view = SharedLayerView(view, *suffix, None, jnp.int32(SUFFIX))
             y = layer(x, cos[None], sin[None], positions, topk, view)[0]
@@ -88,14 +93,17 @@ def _layer_results(spec: str, shared: bool):
         return results, ways
 
 
-# ~15-20 s each (interpret mode); the shared reader's case is `slow` for CI's budget
-# (tests/model/test_context_parallel.py runs the batch-1 stack it reads on the kernel in CI).
-@pytest.mark.parametrize("shared", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_cached_layer_on_the_kernel_equals_the_jnp_path(shared):
+# ~15-25 s each (interpret mode); the shared reader's and the FP8 cases are `slow` for CI's budget
+# (tests/model/test_context_parallel.py runs the batch-1 stack the shared reader reads, and an FP8 stack, on the
+# kernel in CI).
+@pytest.mark.parametrize(("shared", "quantized"), [(False, False), pytest.param(True, False, marks=pytest.mark.slow),
+                                                   pytest.param(False, True, marks=pytest.mark.slow),
+                                                   pytest.param(True, True, marks=pytest.mark.slow)])
+def test_cached_layer_on_the_kernel_equals_the_jnp_path(shared, quantized):
     old = context_parallel.KEY_BLOCK
     context_parallel.KEY_BLOCK = 8  # several key blocks per device
     try:
-        results, ways = _layer_results("folded=8", shared)
+        results, ways = _layer_results("folded=8", shared, quantized)
     finally:
         context_parallel.KEY_BLOCK = old
     assert ways == 8
