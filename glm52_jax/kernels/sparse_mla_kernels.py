@@ -7,6 +7,10 @@ slot's row id is encoded as `r >= 0` (attend to row r) or `-(r0 + 1)` (a masked 
 row r0 -- the row index 0 of its batch maps to -- and contributes like the reference's masked
 slots: weight 0, or 1/K each when the whole query is masked).
 
+A c_kv table may hold e4m3 rows with one float32 scale per row (an FP8 cache, `model/cache_fp8.py`): its scale
+vector rides beside the tables and each gathered row is dequantized as it is loaded (value x scale in float32,
+rounded once to the compute dtype: `cache_fp8.read_rows`' arithmetic).
+
 Kernels (one program per query token and its heads in one tile `[Hp, *]`, so the heads are the
 MMA's M dimension and every gathered row is used by all of them):
 - `forward`: streams blocks of `block_k` selected rows, `s = (q_lat kv^T + q_rope kr^T) * scale`,

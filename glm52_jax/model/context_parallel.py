@@ -371,7 +371,8 @@ def _partial_attention(q_lat, q_rope, topk, cache_c, cache_r, slot, c_new, r_new
                        scale, axes, cache_cs=None, kernels: str = "reference", dtype=None):
     """Softmax attention over the selected keys device `me` holds (`layout`: cache rows of its slots, chunk rows
     whose slots it will own), combined across `axes` by `lse_attention` (`kernels`, `dtype`: its keywords). With an
-    FP8 cache (`cache_cs`: the local e4m3 rows' scales) only the gathered rows are dequantized."""
+    FP8 cache (`cache_cs`: the local e4m3 rows' scales) only the selected rows are dequantized (gathered, or loaded by
+    the kernel)."""
     mine = (topk >= 0) & (layout.device(topk) == me)
     rows = StridedRows(layout, cache_c, cache_r, slot, length, c_new, r_new, cache_cs)
     return lse_attention(q_lat, q_rope, rows, topk, mine, scale, axes, kernels=kernels, dtype=dtype)
