@@ -234,10 +234,11 @@ def _backward_parts(shape, queries, keys) -> dict:
     q_lat, q_rope, c_kv, k_rope, topk = _mla_inputs(1, queries, keys, shape, jnp.bfloat16)
     codes = sm.encode_rows(topk, topk >= 0)
     tables = ((c_kv.reshape(keys, -1),), (k_rope.reshape(keys, -1),))
-    (_, _), (ql, qr, flat, o, m, l) = sm._forward(q_lat, q_rope, *tables, codes, 0.04, interpret, cfg)
+    (_, _), (ql, qr, flat, o, m, l) = sm._forward(q_lat, q_rope, *tables, None, codes, 0.04, interpret, cfg)
     delta = jnp.zeros(m.shape, jnp.float32)
+    block_h = min(cfg.bwd_block_h, ql.shape[1])  # the smoke shape's 16 padded heads: one head block
     bwd = jax.jit(lambda: kern.backward(flat, ql, qr, o, m, l, delta, *tables, scale=0.04, block_k=cfg.bwd_block_k,
-                                        block_h=cfg.bwd_block_h, splits=1, num_warps=cfg.bwd_num_warps,
+                                        block_h=block_h, splits=1, num_warps=cfg.bwd_num_warps,
                                         num_stages=cfg.bwd_num_stages, interpret=interpret))
     t_kernel = _timed(bwd, reps=3)["median_s"]
     _, _, dkv, dkr = bwd()
@@ -248,9 +249,9 @@ def _backward_parts(shape, queries, keys) -> dict:
         ks = keys_[order]
         ends = jnp.searchsorted(ks, ks, side="right").astype(jnp.int32)
         acc = (jnp.zeros((keys, dkv.shape[-1]), jnp.float32),)
-        out = sm._scatter_rows(acc, sm._partials(dkv), ks, ends, order, cfg, interpret)
-        return out + sm._scatter_rows((jnp.zeros((keys, dkr.shape[-1]), jnp.float32),), sm._partials(dkr), ks, ends,
-                                      order, cfg, interpret)
+        out = sm._scatter_rows(acc, (keys,), sm._partials(dkv), ks, ends, order, cfg, interpret)
+        return out + sm._scatter_rows((jnp.zeros((keys, dkr.shape[-1]), jnp.float32),), (keys,), sm._partials(dkr),
+                                      ks, ends, order, cfg, interpret)
 
     t_scatter = _timed(jax.jit(scatter), dkv, dkr, reps=3)["median_s"]
     return {"queries": queries, "entries": queries * shape["topk"], "bwd_kernel_s": t_kernel,
