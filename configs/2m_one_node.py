@@ -12,8 +12,8 @@ on the projection matrices, `model.base_weights="fp8"`: an FP8 checkpoint loads 
 as it is read) it is 746 GB, 93.3 GB per device. The plan compiles every program for the H200 with XLA's GPU
 compiler (topology 1x1x8) and judges it against the H200's measured 150.75e9 B x 0.90 (the memory fraction the
 launcher sets): with the FP8 cache and the whole-prompt prefill every program fits (largest: the prefill, 134.2 of
-135.7 GB) and the first candidate (prefill + the 8 samples' decode) is modeled at central 367 s, 326-657 s
-(benchmarks/RESULTS.md; benchmarks/results/plan_2m_one_node_h200.json).
+135.7 GB) and the first candidate (prefill + the 8 samples' decode) is modeled at central 371 s, 329-665 s
+(benchmarks/RESULTS.md; benchmarks/results/plan_2m_one_node_h200.json, planned at fddbdb7).
 Keys not set here keep configs/2m.py's values.
 """
 
@@ -38,5 +38,10 @@ def get_config():
     # and MoE run in 16,384-token blocks per device (context_parallel.WHOLE_QUERY_BLOCK) fits (134.2 of 135.7 GB)
     # and is modeled at 363 s central (322-652 s) against 128 x 14.5 s = 1,856 s for 16K chunks (127.6 GB, planned at
     # 38859220a9: benchmarks/results/plan_2m_one_node_h200_chunked.json). Every program planned in this mode at
-    # 35759078aa: benchmarks/results/plan_2m_one_node_h200.json.
+    # fddbdb7 (with the exchange below): benchmarks/results/plan_2m_one_node_h200.json.
+    # One synchronous EP exchange per pass, not 2 software-pipelined windows (configs/2m.py's default): over one
+    # node's NVLink the all-to-all is short (23 s of the prefill) and nothing hid it, while each window re-reads the
+    # local experts' weights and launches its own kernels: planned with 2 windows the prefill was 424.6 s central
+    # (19.2M launches), with 1 window 367 s (benchmarks/RESULTS.md, session 11).
+    c.model.moe_exchange_windows = 1
     return c

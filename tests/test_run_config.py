@@ -52,10 +52,11 @@ def test_configs_override_only_what_they_change():
 def test_one_node_config_is_the_2m_run_on_eight_h200():
     """configs/2m_one_node.py: configs/2m.py's transaction (YaRN payload, 8 samples per request with G = 2, the
     shared prompt cache, the probe, the whole-prompt prefill) on one 8-GPU node: folded=8, FP8 base weights and
-    cache, planned for the H200."""
+    cache, one synchronous EP exchange per pass (NVLink), planned for the H200."""
     m2, one = (flatten(config_spec(n).to_dict()) for n in ("2m", "2m_one_node"))
-    assert sorted(k for k in m2 if m2[k] != one[k]) == ["mesh", "model.base_weights", "model.cache_dtype", "name",
-                                                       "plan.target"]
+    assert sorted(k for k in m2 if m2[k] != one[k]) == ["mesh", "model.base_weights", "model.cache_dtype",
+                                                       "model.moe_exchange_windows", "name", "plan.target"]
+    assert (m2["model.moe_exchange_windows"], one["model.moe_exchange_windows"]) == (2, 1)
     assert one["sampling.prefill_mode"] == "whole"
     assert (one["mesh"], one["model.base_weights"], one["model.cache_dtype"], one["plan.target"]) == (
         "folded=8", "fp8", "float8_e4m3fn", "h200")
