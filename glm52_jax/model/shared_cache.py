@@ -261,7 +261,7 @@ def _context_parallel(sharded, q_lat, q_rope, suffix_c, suffix_r, positions, pro
     device scores and attends to its own prompt slots; candidates all-gathered, partial softmaxes combined by LSE.
     The attention is `context.cp_cached_attention`'s: the same `context.StridedRows` (here the batch-1 prompt stack
     shared by the G rows as table A, each row's suffix + chunk as table B) and `context.lse_attention`, on the
-    sparse MLA kernel when `kernels` picks it (not for an FP8 prompt cache)."""
+    sparse MLA kernel when `kernels` picks it (an FP8 prompt cache too: e4m3 rows read with their scales)."""
     axes, layout = sharded
     dtype = q_lat.dtype  # the kernel's query dtype (the shard_map takes float32 copies)
     replicated = P()

@@ -168,6 +168,20 @@ def _has_event(metrics: Path, event: dict) -> bool:
     return False
 
 
+def _kill_process_1(procs: list[subprocess.Popen], logs: Path, workdir: Path) -> None:
+    """SIGKILLs process 1; process 0 must exit 1 within KILL_BOUND_S with one line naming its dead peer and what
+    `workdir` keeps (step 1)."""
+    procs[1].send_signal(signal.SIGKILL)
+    killed_at = time.time()
+    procs[0].wait(timeout=KILL_BOUND_S + 60)
+    stopped_after = time.time() - killed_at
+    err0 = (logs / "0.err").read_text().strip().splitlines()
+    print(f"process 0 stopped {stopped_after:.1f} s after process 1 was killed: {err0[-1]}")
+    assert procs[0].returncode == 1 and stopped_after <= KILL_BOUND_S, err0[-5:]
+    assert err0[-1].startswith("process error: process 1 stopped responding (no heartbeat for "), err0[-5:]
+    assert f"{workdir} keeps committed steps up to 1" in err0[-1]
+
+
 def _receipt(workdir: Path, step: int) -> Path:
     return workdir / "evidence" / f"step_{step:06d}" / "receipt.json"
 
@@ -275,15 +289,7 @@ def test_two_processes_killed_then_resumed_on_one_device(tmp_path, jit_cache):
     while not _has_event(workdir / "metrics.jsonl", {"event": "step_start", "step": 2}):
         assert time.time() < deadline and all(p.poll() is None for p in procs), (logs / "0.err").read_text()[-3000:]
         time.sleep(0.2)
-    procs[1].send_signal(signal.SIGKILL)
-    killed_at = time.time()
-    procs[0].wait(timeout=KILL_BOUND_S + 60)
-    stopped_after = time.time() - killed_at
-    err0 = (logs / "0.err").read_text().strip().splitlines()
-    print(f"process 0 stopped {stopped_after:.1f} s after process 1 was killed: {err0[-1]}")
-    assert procs[0].returncode == 1 and stopped_after <= KILL_BOUND_S, err0[-5:]
-    assert err0[-1].startswith("process error: process 1 stopped responding (no heartbeat for "), err0[-5:]
-    assert f"{workdir} keeps committed steps up to 1" in err0[-1]
+    _kill_process_1(procs, logs, workdir)
     assert not _receipt(workdir, 2).exists() and sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["1"]
 
     # The rerun: one process, `mesh` changed (nothing else).
@@ -315,15 +321,7 @@ def test_killed_process_stops_the_other_and_the_rerun_reproduces_the_steps(one_d
     while marker not in (logs / "1.err").read_text():
         assert time.time() < deadline and procs[1].poll() is None, (logs / "1.err").read_text()[-3000:]
         time.sleep(0.2)
-    procs[1].send_signal(signal.SIGKILL)
-    killed_at = time.time()
-    procs[0].wait(timeout=KILL_BOUND_S + 60)
-    stopped_after = time.time() - killed_at
-    err0 = (logs / "0.err").read_text().strip().splitlines()
-    print(f"process 0 stopped {stopped_after:.1f} s after process 1 was killed: {err0[-1]}")
-    assert procs[0].returncode == 1 and stopped_after <= KILL_BOUND_S, err0[-5:]
-    assert err0[-1].startswith("process error: process 1 stopped responding (no heartbeat for "), err0[-5:]
-    assert f"{workdir} keeps committed steps up to 1" in err0[-1]
+    _kill_process_1(procs, logs, workdir)
     assert _receipt(workdir, 1).is_file() and not _receipt(workdir, 2).exists()
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["1"]
 
