@@ -78,6 +78,28 @@ def _key_sharding(lora: dict) -> jax.sharding.Sharding:
     return jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)))
 
 
+def place_as_restored(model: nnx.Module, optimizer, rng: jax.Array) -> jax.Array:
+    """Puts a fresh run's adapters, optimizer state and RNG key where `RunCheckpoints.restore` puts a resumed
+    run's (returns the placed key). Orbax's restored arrays are committed to their devices, a fresh run's
+    eager arrays on one device are not, and a jitted program lowered for committed arguments differs from
+    the one lowered for uncommitted ones: without this, a run resumed on one device missed every program the
+    uninterrupted run had put in the persistent compilation cache (and on a mesh the step count and key,
+    replicated by a restore, differed too)."""
+    lora = _pure_lora(model)
+    home = _key_sharding(lora)
+
+    def put(tree, target):  # arrays spread over several processes are placed already (and device_put refuses them)
+        return jax.tree.map(lambda x, t: jax.device_put(x, t.sharding) if x.is_fully_addressable else x, tree, target)
+
+    placed = replicated_global(optimizer.opt_state)
+    optimizer.opt_state = put(placed, _abstract(placed, home))
+    lora_state = nnx.state(model, LoRA)
+    nnx.replace_by_pure_dict(lora_state, put(lora, _abstract(lora)))
+    nnx.update(model, lora_state)
+    rng = replicated_global(rng)
+    return jax.device_put(rng, home) if rng.is_fully_addressable else rng
+
+
 class RunCheckpoints:
     """Save / restore `RunState` + adapters + optimizer under `directory` (one Orbax step per transaction)."""
 

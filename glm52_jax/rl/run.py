@@ -266,7 +266,7 @@ def _run_steps(inputs: RunInputs, workdir: Path, ckpts, latest: int, expect: dic
     TensorBoard writer, process 0 only)."""
     import jax
 
-    from glm52_jax.checkpoint.train_state import RunState
+    from glm52_jax.checkpoint.train_state import RunState, place_as_restored
     from glm52_jax.rl.transaction import run_transaction
 
     spec = inputs.spec
@@ -277,8 +277,9 @@ def _run_steps(inputs: RunInputs, workdir: Path, ckpts, latest: int, expect: dic
         event("resumed", step=latest, cursor=state.cursor)
         log(f"resumed from checkpoint step {latest} in {ckpts.directory}")
     else:
-        state = RunState(step=0, rng=jax.random.key(spec.seed), cursor=spec.data.first_row, optimizer_steps=0,
-                         meta={})
+        # Placed as a resume would place them, so a resumed run's programs are the ones this run compiles.
+        rng = place_as_restored(model, optimizer, jax.random.key(spec.seed))
+        state = RunState(step=0, rng=rng, cursor=spec.data.first_row, optimizer_steps=0, meta={})
     event("loaded", checkpoint=spec.model.base_name)
     sampler = settings.sampler(spec.sampling, model, prefill_progress(event, console, spec.sampling.chunk_size),
                                decode_progress(console, spec.sampling.max_new_tokens))

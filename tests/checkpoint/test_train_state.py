@@ -5,9 +5,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
-from glm52_jax.checkpoint.train_state import RunCheckpoints, RunState
+from glm52_jax.checkpoint.train_state import RunCheckpoints, RunState, place_as_restored
 from glm52_jax.model.lora import LoRA
 from glm52_jax.rl.update import LoRAOptimizer
 
@@ -93,3 +94,46 @@ def test_a_step_saved_on_a_mesh_restores_onto_one_device(tmp_path):
     assert state.rng.sharding.device_set == {jax.devices()[0]}
     np.testing.assert_array_equal(jax.random.key_data(state.rng), jax.random.key_data(jax.random.key(7)))
     again.close()
+
+
+def _program_text(model, optimizer, rng) -> str:
+    """What jit lowers for one update-like program over the run state (its arguments' placement included)."""
+    def step(lora, opt_state, key):
+        return jax.tree.map(lambda x: x * 2, lora), opt_state, jax.random.split(key)[0]
+
+    return jax.jit(step).lower(nnx.to_pure_dict(nnx.state(model, LoRA)), optimizer.opt_state, rng).as_text()
+
+
+def _placement(model, optimizer, rng) -> list:
+    leaves = [*jax.tree.leaves(nnx.state(model, LoRA)), *jax.tree.leaves(optimizer.opt_state), rng]
+    return [(x.sharding, x._committed) for x in leaves]
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_a_fresh_run_state_is_placed_as_a_restore_places_it(tmp_path, devices):
+    """A resumed run must run the programs the uninterrupted run compiled (the persistent compilation cache
+    is keyed by the lowered program): after `place_as_restored`, a fresh state's arrays have the restored
+    state's shardings and commitment, and one program over them lowers to the same text. Without it a fresh
+    one-device state is uncommitted and the texts differ (checked first)."""
+    def fresh():
+        model = _Adapted()
+        if devices > 1:
+            mesh = jax.make_mesh((devices,), ("x",), devices=jax.devices()[:devices])
+            model.a.set_value(jax.device_put(jnp.zeros((2, 3), jnp.float32),
+                                             jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
+        return model, LoRAOptimizer(model)
+
+    model, optimizer = fresh()
+    raw_rng = jax.random.key(3)
+    ckpts = RunCheckpoints(tmp_path / "ckpt", max_to_keep=1)
+    ckpts.save(model, optimizer, RunState(step=1, rng=raw_rng, cursor=1, optimizer_steps=0, meta={}))
+    resumed, resumed_optimizer = fresh()
+    state = ckpts.restore(1, resumed, resumed_optimizer)
+    restored_text = _program_text(resumed, resumed_optimizer, state.rng)
+    assert _program_text(model, optimizer, raw_rng) != restored_text  # what place_as_restored is for
+
+    rng = place_as_restored(model, optimizer, raw_rng)
+    assert _placement(model, optimizer, rng) == _placement(resumed, resumed_optimizer, state.rng)
+    assert _program_text(model, optimizer, rng) == restored_text
+    np.testing.assert_array_equal(jax.random.key_data(rng), jax.random.key_data(state.rng))
+    ckpts.close()
