@@ -421,9 +421,6 @@ def main(argv):
     # It also watches the other processes of a multi-process run (parallel/peer_watch.py): one that dies
     # stops this one within seconds, with a line naming it, instead of a hang in a collective.
     worker = threading.Thread(target=work, name="glm52-run", daemon=True)
-    # SIGTERM (what SLURM and Kubernetes send before a kill, e.g. on preemption) stops the run as Ctrl-C does.
-    signal.signal(signal.SIGTERM, _raise_terminated)
-    worker.start()
 
     def kept() -> str:
         return (workdir_lib.kept_summary(workdir) if workdir and FLAGS.mode == "train" else
@@ -440,7 +437,12 @@ def main(argv):
         workdir_lib.release_held()
         os._exit(watchdog.HANG_EXIT)  # as for a dead peer: the work thread is the one that hangs
 
+    # SIGTERM (what SLURM and Kubernetes send before a kill, e.g. on preemption) stops the run as Ctrl-C does. The
+    # worker starts inside the `try`: it may take the workdir's lock before `start()` returns here, and a signal
+    # in that window must stop the run the same way.
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
+        worker.start()
         while worker.is_alive():
             worker.join(0.5)
             lost = outcome["watch"].poll() if outcome.get("watch") is not None else None

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -75,3 +76,30 @@ def test_settings_bind_only_once_something_was_committed(tmp_path):
     with pytest.raises(ConfigError, match=r"is not a saved run config \(JSONDecodeError: .*\) and no copy of it is "
                                           "kept; use a fresh --workdir$"):
         workdir_lib.saved_settings(w)
+
+
+def test_a_lock_being_taken_when_the_run_stops_is_released(tmp_path, monkeypatch):
+    """The run takes its lock in a worker thread; SIGTERM or Ctrl-C releases it from the main thread
+    (`release_held`, then os._exit). A stop that lands after the lock file exists but before the lock is recorded
+    as held used to leave the file behind (seen in CI): `release_held` waits for the taking to finish."""
+    created, go_on = threading.Event(), threading.Event()
+    take = workdir_lib._take
+
+    def take_then_pause(path, record):  # the real take, then held up where the stop landed
+        taken = take(path, record)
+        created.set()
+        go_on.wait(10)
+        return taken
+
+    monkeypatch.setattr(workdir_lib, "_take", take_then_pause)
+    taker = threading.Thread(target=workdir_lib.acquire, args=(tmp_path / "w", ["launch"]))
+    taker.start()
+    assert created.wait(10) and (tmp_path / "w" / ".lock").exists()
+    releaser = threading.Thread(target=workdir_lib.release_held)
+    releaser.start()
+    releaser.join(0.5)
+    assert releaser.is_alive()  # waits for the lock to be recorded instead of releasing nothing
+    go_on.set()
+    releaser.join(10)
+    taker.join(10)
+    assert not releaser.is_alive() and not (tmp_path / "w" / ".lock").exists()
