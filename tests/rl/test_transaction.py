@@ -450,11 +450,12 @@ def test_export_refuses_a_directory_without_a_run(tmp_path):
 
 
 def test_ctrl_c_stops_at_once_and_says_what_was_kept(tmp_path):
-    """SIGINT while the first programs compile: the process exits within seconds (not after the
+    """SIGINT while the first program compiles: the process exits within seconds (not after the
     compile), exit 130, one line saying nothing was committed; the lock is released."""
     workdir = tmp_path / "w"
     # An empty compile cache of its own: the signal lands in a real compile (the case that used to wait for
-    # the compile to end), not in whatever step the session's warm cache had reached.
+    # the compile to end): the adapters' init, which takes seconds, sent once its `compiling` line says it has
+    # lasted 1 s.
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla_cache"))
     # Python's KeyboardInterrupt handler in the child even where this test process ignores SIGINT (a
     # pytest-xdist worker does; an ignored SIGINT is inherited and Python then installs no handler), set
@@ -464,11 +465,15 @@ def test_ctrl_c_stops_at_once_and_says_what_was_kept(tmp_path):
               "runpy.run_module('glm52_jax.launch', run_name='__main__', alter_sys=True)")
     proc = subprocess.Popen([sys.executable, "-c", launch, f"--workdir={workdir}"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
-    _wait_for(proc, workdir / "metrics.jsonl", {"event": "loaded"})
-    time.sleep(1.0)  # inside the sampler's first compile
+    before = []
+    while not (before and before[-1].startswith("compiling jit(<lambda>) (loading the policy)")):
+        line = proc.stderr.readline()
+        assert line, "".join(before)[-3000:]  # the process ended first
+        before.append(line)
     start = time.monotonic()
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
+    err = "".join(before) + err
     assert time.monotonic() - start < 5, err
     lines = [line for line in err.strip().splitlines() if line.startswith("interrupted")]
     assert proc.returncode == 130 and lines == [f"interrupted: {workdir} has no committed step; the next launch "
