@@ -21,8 +21,5 @@ if [ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]; then
   export JAX_COMPILATION_CACHE_DIR
   trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
 fi
-# Every program into that cache, not only those that compiled for 1 s or more (JAX's default): each launcher
-# subprocess otherwise recompiles its many small programs (measured: a warm tiny run 14.8 -> 13.5 CPU-s).
-export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0}"
 .venv/bin/python -X faulthandler -m pytest -q -p no:cacheprovider --durations=25 \
   -n "${GLM52_TEST_WORKERS:-2}" --dist loadfile "$@"
