@@ -181,9 +181,7 @@ def _assert_cache_slots_sharded(cache, mesh, spec):
             stack.sharding
 
 
-# folded=8 is `slow` (CI budget): CI runs the folded mesh end to end on 2 launcher processes against one device
-# (tests/rl/test_rehearsal.py: tokens exact, log-probs 1e-5); context=4,expert=2 keeps the cache checks here.
-@pytest.mark.parametrize("spec", [pytest.param("folded=8", marks=pytest.mark.slow), "context=4,expert=2"])
+@pytest.mark.parametrize("spec", MESHES)
 def test_greedy_decode_matches_and_cache_is_sharded(model, prompt, reference_sampling, spec):
     ref = reference_sampling[2]
     mesh_spec, mesh = _mesh(spec)
