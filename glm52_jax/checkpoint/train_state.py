@@ -88,16 +88,18 @@ def place_as_restored(model: nnx.Module, optimizer, rng: jax.Array) -> jax.Array
     lora = _pure_lora(model)
     home = _key_sharding(lora)
 
-    def put(tree, target):  # arrays spread over several processes are placed already (and device_put refuses them)
-        return jax.tree.map(lambda x, t: jax.device_put(x, t.sharding) if x.is_fully_addressable else x, tree, target)
+    def put(x, sharding):  # arrays spread over several processes are placed already (and device_put refuses them)
+        return jax.device_put(x, sharding) if x.is_fully_addressable else x
+
+    def put_tree(tree, target):
+        return jax.tree.map(lambda x, t: put(x, t.sharding), tree, target)
 
     placed = replicated_global(optimizer.opt_state)
-    optimizer.opt_state = put(placed, _abstract(placed, home))
+    optimizer.opt_state = put_tree(placed, _abstract(placed, home))
     lora_state = nnx.state(model, LoRA)
-    nnx.replace_by_pure_dict(lora_state, put(lora, _abstract(lora)))
+    nnx.replace_by_pure_dict(lora_state, put_tree(lora, _abstract(lora)))
     nnx.update(model, lora_state)
-    rng = replicated_global(rng)
-    return jax.device_put(rng, home) if rng.is_fully_addressable else rng
+    return put(replicated_global(rng), home)
 
 
 class RunCheckpoints:

@@ -106,7 +106,7 @@ def _program_text(model, optimizer, rng) -> str:
 
 def _placement(model, optimizer, rng) -> list:
     leaves = [*jax.tree.leaves(nnx.state(model, LoRA)), *jax.tree.leaves(optimizer.opt_state), rng]
-    return [(x.sharding, x._committed) for x in leaves]
+    return [(x.sharding, x.committed) for x in leaves]
 
 
 @pytest.mark.parametrize("devices", [1, 4])

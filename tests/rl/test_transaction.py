@@ -454,9 +454,9 @@ def test_ctrl_c_stops_at_once_and_says_what_was_kept(tmp_path):
     compile), exit 130, one line saying nothing was committed; the lock is released."""
     workdir = tmp_path / "w"
     # An empty compile cache of its own: the signal lands in a real compile (the case that used to wait for
-    # the compile to end): the adapters' init, which takes seconds, sent once its `compiling` line says it has
-    # lasted 1 s.
-    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla_cache"))
+    # the compile to end): the adapters' init (seconds here), sent once its `compiling` line is printed, which
+    # GLM52_COMPILE_LINES_AFTER_S=0 does as each compile starts (however fast the machine).
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla_cache"), GLM52_COMPILE_LINES_AFTER_S="0")
     # Python's KeyboardInterrupt handler in the child even where this test process ignores SIGINT (a
     # pytest-xdist worker does; an ignored SIGINT is inherited and Python then installs no handler), set
     # before the launcher runs as `python -m glm52_jax.launch` would.
