@@ -166,12 +166,15 @@ def initialize(env: Mapping[str, str] | None = None, *, timeout_s: int = 300,
 
     if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS", "") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        # No persistent compilation cache across CPU processes: JAX writes it from process 0 only and process 1's
-        # keys never match on CPU, so process 0 ran each program minutes ahead of a peer that compiled it, and
-        # with executables read from the cache on one side and compiled on the other, 2-process parity died in
-        # gloo ("Received data size doesn't match expected size ... collective mismatch"; XLA:CPU tells the
-        # messages of a pair apart by order only, tag 0) or hung. Every process compiles: the run takes as long
-        # as it did (process 1 compiled everything anyway). BUILD_NOTES.md (issue 36 item 2) has the measurements.
+        # No persistent compilation cache across CPU processes: JAX writes it from process 0 only, and process 1's
+        # keys never match on CPU (they hash the topology of the process's own devices), so process 0 ran each
+        # program minutes ahead of a peer that compiled it, and with executables read from the cache on one side and
+        # compiled on the other, 2-process parity died in gloo ("Received data size doesn't match expected size ...
+        # collective mismatch"; XLA:CPU tells the messages of a pair apart by order only, tag 0) or hung. Nor can
+        # the processes share one compile: with equal keys (a group-wide topology hash) and JAX's binary sharing,
+        # process 1 ran process 0's executable and the rehearsal failed the same way at its first update (an
+        # XLA:CPU executable is specific to the process that compiled it; BUILD_NOTES.md, CI budget). Every
+        # process compiles: the run takes as long as it did (process 1 compiled everything anyway).
         jax.config.update("jax_enable_compilation_cache", False)
     check_coordinator_port(group)
     _join(group, timeout_s, heartbeat_s)

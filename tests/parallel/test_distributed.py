@@ -15,6 +15,7 @@ from flax import nnx
 
 from glm52_jax.model.lora import LoRA
 from glm52_jax.parallel.distributed import ProcessGroup, first_host, from_env
+from tests.process_helpers import free_port
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 
@@ -42,14 +43,8 @@ def test_bad_environment(env, match):
         from_env(env)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(mode: str, heartbeat_s: int = 10, extra=()):
-    port = _free_port()
+    port = free_port()
     procs = []
     for pid in range(2):
         env = dict(os.environ, GLM52_COORDINATOR=f"127.0.0.1:{port}", GLM52_NUM_PROCESSES="2",
@@ -122,8 +117,8 @@ def test_a_dead_peer_fails_the_survivor_in_bounded_time():
     assert "stopped sending heartbeats" in outs[0][1], outs[0][1][-3000:]
 
 
-# ~80 s, slow for CI's budget (as are the 2-process rehearsals of the whole transaction, tests/rl/test_rehearsal.py);
-# in CI, two processes form one mesh above and export a model in tests/rl/test_export_processes.py.
+# ~80 s, slow for CI's budget; in CI two processes form one mesh above, run whole training steps and are killed and
+# resumed in tests/rl/test_rehearsal.py, and export a model in tests/rl/test_export_processes.py.
 @pytest.mark.slow
 def test_two_processes_run_a_sharded_forward_and_training_step(tmp_path):
     """2 processes x 4 devices (context 4 x expert 2 across both) vs the same step on one device."""

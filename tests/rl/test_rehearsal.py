@@ -218,8 +218,8 @@ def test_processes_with_different_settings_refuse_to_start(tmp_path, jit_cache):
 
 
 # ~320 s of CI's 2-core budget (the 2M-shaped run on 2 processes x 4 devices against one device): `slow` since the
-# CI wall reached 1,217-1,251 s (session 4); it passed in the CI runs of 7391966, 373534a and c7f556c. Multi-process
-# behaviour stays in CI through tests/parallel/test_distributed.py and tests/rl/test_export_processes.py.
+# CI wall reached 1,217-1,251 s (session 4); it passed in the CI runs of 7391966, 373534a and c7f556c. CI runs the
+# rehearsal on 2 processes x 2 devices instead (test_two_processes_killed_then_resumed_on_one_device).
 @pytest.mark.slow
 def test_folded_two_processes_reproduce_one_device(one_device, tmp_path, jit_cache):
     two = _two_processes(tmp_path / "two", [], tmp_path / "logs", jit_cache)
@@ -266,24 +266,19 @@ def test_processes_that_score_differently_stop_before_the_search_diverges(tmp_pa
     assert not (tmp_path / "w" / "checkpoints").exists() or not any((tmp_path / "w" / "checkpoints").iterdir())
 
 
-# Two launcher processes sized for CI (issue 36; below, why it is still `slow`): the rehearsal on 2 processes x 2
-# CPU devices (folded=4: experts, cache slots split over the processes, the 530-slot cache uneven over 4), audited;
-# process 1 killed once step 1 is committed; the rerun is ONE process on one device resuming the 2-process
-# checkpoint (2 processes x 2 devices -> 1). Sized for CI: 2 devices per process (half the device threads of
-# folded=8 on CI's 2 cores), a 10 s peer timeout, the reference run after the rerun (it runs the rerun's compiled
-# programs: place_as_restored), and every run of this test compiled at LLVM -O0 (CI_XLA_FLAGS). Why -O0 here only:
-# compiling is most of this test's CPU time (each multi-process CPU run compiles every program itself, BUILD_NOTES)
-# and -O0 halves it; it changes float32 rounding, so the suite keeps the default, but this test compares its runs
-# with each other, all compiled alike (its claims: processes = one device, the kill stops both, the resume equals
-# the uninterrupted run). At the default level it passed too (session 11). The full-size versions (folded=8,
-# context=4,expert=2, 2-process reruns) are slow, below.
+# Two launcher processes in CI (issue 36): the rehearsal on 2 processes x 2 CPU devices (folded=4: experts, cache
+# slots split over the processes, the 530-slot cache uneven over 4), audited; process 1 killed once step 1 is
+# committed; the rerun is ONE process on one device resuming the 2-process checkpoint (2 processes x 2 devices -> 1).
+# Sized for CI: 2 devices per process (half the device threads of folded=8 on CI's 2 cores), a 10 s peer timeout, the
+# reference run after the rerun (it runs the rerun's compiled programs: place_as_restored), and every run compiled at
+# LLVM -O0 (CI_XLA_FLAGS; scripts/test.sh compiles the whole suite so): each multi-process CPU run compiles every
+# program on every process (XLA:CPU executables are specific to their process, BUILD_NOTES) and -O0 halves that. The
+# test compares its runs with each other, all compiled alike; at the default level it passed too (session 11). The
+# full-size versions (folded=8, context=4,expert=2, 2-process reruns) are slow, below.
 CI_DEVICES_PER_PROCESS = 2
 CI_XLA_FLAGS = f"--xla_force_host_platform_device_count={CI_DEVICES_PER_PROCESS} --xla_backend_optimization_level=0"
 
 
-# Still over CI's budget: clean-clone CI runs with it took 1,186 and 1,234 s (20-minute limit; ~980 s without it),
-# the test itself 245-284 s of them (3-4 busy processes on 2 cores), so `slow`, run by hand (151 s alone).
-@pytest.mark.slow
 def test_two_processes_killed_then_resumed_on_one_device(tmp_path, jit_cache):
     """Step 1 on 2 processes equals the 1-device run; process 1 killed at step 2's start: process 0 stops within
     30 s naming it, nothing of step 2 is committed; a 1-process, 1-device rerun resumes at step 2 and its step

@@ -563,7 +563,7 @@ def test_train_mode_refuses_a_mesh_larger_than_the_devices(tmp_path):
     assert not (tmp_path / "w").exists()
 
 
-# ~95 s; CI compares both meshes with one device on two processes instead (tests/rl/test_rehearsal.py).
+# ~95 s; CI compares a folded=4 mesh on two processes with one device instead (tests/rl/test_rehearsal.py).
 @pytest.mark.slow
 def test_sharded_transaction_matches_one_device(runs, tmp_path):
     """Step 1 on context 4 x expert 2 (8 devices) vs the single-device run: same candidates, tokens
