@@ -57,12 +57,11 @@ def _two_processes(workdir: Path, flags: list[str], logs: Path, cache: Path) -> 
     return summaries
 
 
-def _one_process(workdir: Path, flags: list[str], xla_flags: str | None = None) -> dict:
+def _one_process(workdir: Path, flags: list[str], env_overrides: dict[str, str] | None = None) -> dict:
     """The rehearsal as one launcher process on one device (this machine's devices, this session's compile cache,
-    no process group), audited: its summary and stderr. `xla_flags` replace XLA_FLAGS."""
+    no process group), audited: its summary and stderr. `env_overrides` replace those variables."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GLM52_")}
-    if xla_flags is not None:
-        env["XLA_FLAGS"] = xla_flags
+    env.update(env_overrides or {})
     done = subprocess.run([sys.executable, "-m", "glm52_jax.launch", f"--config={REHEARSAL}", f"--workdir={workdir}",
                            "--config.mesh=", AUDIT, *flags], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=900)
@@ -271,12 +270,13 @@ def test_processes_that_score_differently_stop_before_the_search_diverges(tmp_pa
 # committed; the rerun is ONE process on one device resuming the 2-process checkpoint (2 processes x 2 devices -> 1).
 # Sized for CI: 2 devices per process (half the device threads of folded=8 on CI's 2 cores), a 10 s peer timeout, the
 # reference run after the rerun (it runs the rerun's compiled programs: place_as_restored), and every run compiled at
-# LLVM -O0 (CI_XLA_FLAGS; scripts/test.sh compiles the whole suite so): each multi-process CPU run compiles every
-# program on every process (XLA:CPU executables are specific to their process, BUILD_NOTES) and -O0 halves that. The
-# test compares its runs with each other, all compiled alike; at the default level it passed too (session 11). The
-# full-size versions (folded=8, context=4,expert=2, 2-process reruns) are slow, below.
+# LLVM -O0 (CI_ENV: as scripts/test.sh compiles the suite, also when run without it): each multi-process CPU run
+# compiles every program on every process (XLA:CPU executables are specific to their process, BUILD_NOTES) and -O0
+# halves that. The test compares its runs with each other, all compiled alike; at the default level it passed too
+# (session 11). The full-size versions (folded=8, context=4,expert=2, 2-process reruns) are slow, below.
 CI_DEVICES_PER_PROCESS = 2
-CI_XLA_FLAGS = f"--xla_force_host_platform_device_count={CI_DEVICES_PER_PROCESS} --xla_backend_optimization_level=0"
+CI_ENV = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={CI_DEVICES_PER_PROCESS}",
+          "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
 
 
 def test_two_processes_killed_then_resumed_on_one_device(tmp_path, jit_cache):
@@ -286,7 +286,7 @@ def test_two_processes_killed_then_resumed_on_one_device(tmp_path, jit_cache):
     workdir, logs = tmp_path / "two", tmp_path / "logs"
     per = CI_DEVICES_PER_PROCESS
     procs = _start(workdir, ["--config.mesh=folded=4", "--config.train.steps=2"], logs, jit_cache,
-                   env={"XLA_FLAGS": CI_XLA_FLAGS, "GLM52_PEER_TIMEOUT_S": "10"})
+                   env={**CI_ENV, "GLM52_PEER_TIMEOUT_S": "10"})
     deadline = time.time() + 900
     while not _has_event(workdir / "metrics.jsonl", {"event": "step_start", "step": 2}):
         assert time.time() < deadline and all(p.poll() is None for p in procs), (logs / "0.err").read_text()[-3000:]
@@ -295,12 +295,12 @@ def test_two_processes_killed_then_resumed_on_one_device(tmp_path, jit_cache):
     assert not _receipt(workdir, 2).exists() and sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["1"]
 
     # The rerun: one process, `mesh` changed (nothing else).
-    summary = _one_process(workdir, ["--config.train.steps=2"], xla_flags=CI_XLA_FLAGS)
+    summary = _one_process(workdir, ["--config.train.steps=2"], CI_ENV)
     assert summary["status"] == "updated" and summary["steps_run"] == 1 and summary["last_step"] == 2, summary
     assert "resumed from checkpoint step 1" in summary["stderr"]
     # The uninterrupted 1-device run.
     one_device = tmp_path / "one"
-    reference = _one_process(one_device, ["--config.train.steps=2"], xla_flags=CI_XLA_FLAGS)
+    reference = _one_process(one_device, ["--config.train.steps=2"], CI_ENV)
     assert reference["status"] == "updated" and reference["steps_run"] == 2, reference
     _assert_same_receipt(_receipt(one_device, 1), _receipt(workdir, 1), processes=2, per_process=per)
     _assert_same_receipt(_receipt(one_device, 2), _receipt(workdir, 2), processes=1, per_process=1)
