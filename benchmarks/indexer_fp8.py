@@ -1,12 +1,18 @@
 """FP8 indexer scoring (`model.indexer_dtype=fp8`) against bf16 scoring (measurement, not a test).
 
-  policy   the shipped tiny policy in bfloat16 (8 indexer heads of 32, top-32), DAPO prompts of 256 tokens: per full
-           indexer layer, the fraction of bf16 scoring's top-k that FP8 scoring also selects (queries that see more
-           keys than K; the same weights and prompt, each run's own activations), and 16 greedy decode steps per
-           prompt (prefilled in two chunks, then the shared-prompt decode): steps where FP8 picks bf16's token.
+Variants: "bf16" (the default), "fp8" (e4m3 q and k after the Hadamard rotation, FP8's own top-k) and "fp8+M" (FP8
+keeps M candidates per query, rescored unquantized: `model.indexer_candidates`).
+
+  policy   the shipped tiny policy (8 indexer heads of 32, top-32), DAPO prompts of 256 tokens, the float32 model as
+           the exact reference: per full indexer layer, the fraction of a variant's top-k shared with bf16's and
+           with float32's (queries that see more keys than K; the same weights and prompt, each run's own
+           activations), and 16 greedy decode steps per prompt (prefilled in two chunks, then the shared-prompt
+           decode): tokens equal to bf16's and to float32's.
   wide     one random-weight indexer of GLM-5.2's width (hidden 6144, q_lora 2048, 32 heads of 128, top-2048; the
-           model's own projections, LayerNorm and RoPE in bfloat16) on random normal hidden states: the last
-           `--queries` positions' top-2048 over 4K-64K causal keys, FP8 against bf16.
+           model's own projections, LayerNorm and RoPE) on random normal hidden states: the last `--queries`
+           positions' top-2048 over 4K-64K causal keys, each variant's overlap with bf16's (bf16's with the float32
+           projections' as the yardstick), and how far down FP8's ranking bf16's top-2048 reach (the deepest rank:
+           M above it loses nothing).
   parity   GRPO LoRA gradients of shared_prefix against conventional (the parity receipt's pair) on the tiny 4-layer
            float32 model of tests/rl/test_gradients.py (40-token prompt > top-32), within each indexer dtype
            (rel-L2, cosine), and FP8's gradients against bf16's (conventional).
@@ -15,7 +21,7 @@
            with and without kernels/fp8_dot.py (needs the gpu-aot extra).
 
     .venv/bin/python benchmarks/indexer_fp8.py [--keys 4096 16384 65536] [--rows 0 5] [--queries 32]
-        [--sections policy wide parity ptx] [--no-fp8-dot] [--json]
+        [--candidates 4096] [--sections policy wide parity ptx] [--no-fp8-dot] [--json]
 """
 
 from __future__ import annotations
@@ -39,10 +45,10 @@ def _overlap(base: np.ndarray, other: np.ndarray) -> np.ndarray:
     return np.array(out)
 
 
-def _variant(model, indexer_dtype: str):
+def _variant(model, indexer_dtype: str, candidates: int = 0):
     from glm52_jax.model.transformer import GlmMoeDsa
 
-    opts = dataclasses.replace(model.opts, indexer_dtype=indexer_dtype)
+    opts = dataclasses.replace(model.opts, indexer_dtype=indexer_dtype, indexer_candidates=candidates)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: GlmMoeDsa(model.cfg, opts, rngs=nnx.Rngs(0))))
     return nnx.merge(graphdef, nnx.state(model))
 
@@ -74,69 +80,91 @@ def policy(rows: list[int], prompt_tokens: int = 256, steps: int = 16, chunk: in
     from glm52_jax.rl.prompts import build_exact_prompt
     from glm52_jax.rollout.tokenizer import Tokenizer
 
-    path = resources.files("glm52_jax").joinpath("assets", "tiny_policy")
-    opts = ModelOptions(param_dtype=jnp.bfloat16, kernels="reference")
-    base = load_pretrained(str(path), dtype=jnp.bfloat16, options=opts)
-    models = {d: _variant(base, d) for d in ("bf16", "fp8")}
-    k = base.cfg.index_topk
+    path = str(resources.files("glm52_jax").joinpath("assets", "tiny_policy"))
+    base = {dtype: load_pretrained(path, dtype=dtype, options=ModelOptions(param_dtype=dtype, kernels="reference"))
+            for dtype in (jnp.float32, jnp.bfloat16)}
+    k = base[jnp.float32].cfg.index_topk
+    models = {"float32": base[jnp.float32], "bf16": base[jnp.bfloat16],
+              "fp8": _variant(base[jnp.bfloat16], "fp8"), f"fp8+{2 * k}": _variant(base[jnp.bfloat16], "fp8", 2 * k)}
     tok = Tokenizer.default()
-    overlaps, agree, prefix, total = {}, 0, 0, 0
+    overlaps, equal, total = {}, {}, 0
     for row in load_rows(select=rows):
         ids = jnp.asarray(build_exact_prompt(tok, row, prompt_tokens), jnp.int32)[None]
-        topk = {d: _topk_jit(*nnx.split(m), ids) for d, m in models.items()}
-        for layer in topk["bf16"]:
-            a, b = (np.asarray(topk[d][layer])[0, k:] for d in ("bf16", "fp8"))  # rows that see more than K keys
-            overlaps.setdefault(layer, []).append(_overlap(a, b))
-        tokens = {d: _greedy(m, ids, steps, chunk, 512) for d, m in models.items()}
-        same = tokens["bf16"] == tokens["fp8"]
-        agree += int(same.sum())
-        prefix += int(np.argmin(same)) if not same.all() else steps
+        topk = {name: _topk_jit(*nnx.split(m), ids) for name, m in models.items()}
+        tokens = {name: _greedy(m, ids, steps, chunk, 512) for name, m in models.items()}
         total += steps
-    per_layer = {str(layer): round(float(np.concatenate(v).mean()), 4) for layer, v in overlaps.items()}
-    every = np.concatenate([np.concatenate(v) for v in overlaps.values()])
-    return {"rows": rows, "prompt_tokens": prompt_tokens, "topk": k, "overlap_per_full_layer": per_layer,
-            "overlap_mean": round(float(every.mean()), 4), "overlap_min": round(float(every.min()), 4),
-            "greedy_tokens_equal": f"{agree} / {total}", "greedy_common_prefix": f"{prefix} / {total}"}
+        for name in models:
+            for ref in ("bf16", "float32"):
+                if name == ref:
+                    continue
+                for layer in topk[ref]:  # rows that see more than K keys
+                    a, b = (np.asarray(topk[v][layer])[0, k:] for v in (ref, name))
+                    overlaps.setdefault((name, ref), []).append(_overlap(a, b))
+                equal[name, ref] = equal.get((name, ref), 0) + int((tokens[name] == tokens[ref]).sum())
+    out = {"rows": rows, "prompt_tokens": prompt_tokens, "topk": k, "greedy_steps": total}
+    for (name, ref), values in overlaps.items():
+        every = np.concatenate(values)
+        out[f"{name} vs {ref}"] = {"overlap_mean": round(float(every.mean()), 4),
+                                   "overlap_min": round(float(every.min()), 4),
+                                   "greedy_tokens_equal": f"{equal[name, ref]} / {total}"}
+    return out
 
 
-def wide(num_keys: int, queries: int = 64, seed: int = 0) -> dict:
+def wide(num_keys: int, queries: int = 64, seed: int = 0, candidates: int = 4096) -> dict:
     from glm52_jax import config
     from glm52_jax import positions as rope_lib
-    from glm52_jax.model.indexer import Indexer, streaming_topk
-    from glm52_jax.model.layers import project
+    from glm52_jax.kernels.indexer import quantize_e4m3
+    from glm52_jax.model.indexer import Indexer, block_scores, quantize_queries, streaming_topk
 
     cfg = config.glm52()
     layer = Indexer(cfg, jnp.bfloat16, rngs=nnx.Rngs(seed))
+    exact = nnx.merge(nnx.graphdef(layer), jax.tree.map(lambda a: a.astype(jnp.float32), nnx.state(layer)))
     table = rope_lib.rotary_table(cfg.rope, cfg.qk_rope_head_dim)
-    r = layer.rope_dim
+    scale = cfg.index_head_dim ** -0.5
 
     @jax.jit
-    def keys(x, pos):  # the indexer's key path (Indexer.project without the queries): [1,c,D] -> [1,c,I]
+    def project(x, q_resid, pos):  # {variant: (q, k, w)} of one chunk: float32 weights, bf16, bf16 rotated (FP8's)
         cos, sin = (t[None] for t in rope_lib.rope_cos_sin(pos, table))
-        k = layer.k_norm(project(x, layer.wk, "bsd,di->bsi"))
-        k_rot = rope_lib.apply_interleaved_rope(k[..., :r], cos, sin)
-        return jnp.concatenate([k_rot, k[..., r:]], axis=-1).astype(jnp.float32)
+        return {"float32": exact.project(x.astype(jnp.float32), q_resid.astype(jnp.float32), cos, sin),
+                "bf16": layer.project(x, q_resid, cos, sin), "fp8": layer.project(x, q_resid, cos, sin, rotate=True)}
 
     rng = jax.random.key(seed + 1)
-    chunk = 4096
-    ks = []
-    for start in range(0, num_keys, chunk):
+    chunk = min(4096, num_keys)
+    parts = []
+    for start in range(0, num_keys, chunk):  # the queries are the last chunk's last `queries` positions
         x = jax.random.normal(jax.random.fold_in(rng, start), (1, chunk, cfg.hidden_size), jnp.bfloat16)
-        ks.append(keys(x, start + jnp.arange(chunk, dtype=jnp.int32)))
-    k = jnp.concatenate(ks, axis=1)[:, :num_keys]
-    q_pos = num_keys - queries + jnp.arange(queries, dtype=jnp.int32)
-    x = jax.random.normal(jax.random.fold_in(rng, num_keys), (1, queries, cfg.hidden_size), jnp.bfloat16)
-    q_resid = jax.random.normal(jax.random.fold_in(rng, 2**31 - 1), (1, queries, cfg.q_lora_rank), jnp.bfloat16)
-    cos, sin = (t[None] for t in rope_lib.rope_cos_sin(q_pos, table))
-    q, _, w = layer.project(x, q_resid, cos, sin)
+        q_resid = jax.random.normal(jax.random.fold_in(rng, 2**30 + start), (1, chunk, cfg.q_lora_rank), jnp.bfloat16)
+        parts.append(project(x, q_resid, start + jnp.arange(chunk, dtype=jnp.int32)))
+    inputs = {name: (parts[-1][name][0][:, -queries:], parts[-1][name][2][:, -queries:],
+                     jnp.concatenate([p[name][1] for p in parts], axis=1)) for name in parts[0]}
     k_pos = jnp.arange(num_keys, dtype=jnp.int32)
-    run = jax.jit(lambda dtype: streaming_topk(q, w, k, q_pos, k_pos, cfg.index_topk, scale=cfg.index_head_dim ** -0.5,
-                                               query_block=16, key_block=2048, indexer_dtype=dtype),
-                  static_argnums=0)
-    base, fp8 = (np.asarray(run(d))[0] for d in ("bf16", "fp8"))
-    overlap = _overlap(base, fp8)
-    return {"keys": num_keys, "queries": queries, "topk": cfg.index_topk,
-            "overlap_mean": round(float(overlap.mean()), 4), "overlap_min": round(float(overlap.min()), 4)}
+    q_pos = k_pos[-queries:]
+
+    def select(name, dtype, m=0):
+        run = jax.jit(lambda q, w, k: streaming_topk(q, w, k, q_pos, k_pos, cfg.index_topk, scale=scale,
+                                                     query_block=16, key_block=2048, indexer_dtype=dtype,
+                                                     candidates=m))
+        return np.asarray(run(*inputs[name]))[0]
+
+    chosen = {"float32": select("float32", "bf16"), "bf16": select("bf16", "bf16"), "fp8": select("fp8", "fp8"),
+              f"fp8+{candidates}": select("fp8", "fp8", candidates)}
+    out = {"keys": num_keys, "queries": queries, "topk": cfg.index_topk}
+    for name, idx in chosen.items():
+        if name != "bf16":
+            overlap = _overlap(chosen["bf16"], idx)
+            out[f"{name} vs bf16"] = {"overlap_mean": round(float(overlap.mean()), 4),
+                                      "overlap_min": round(float(overlap.min()), 4)}
+    # How deep in FP8's ranking bf16's top-2048 sit: FP8 scores of every visible key (one [queries, keys] block).
+    q, w, k = inputs["fp8"]
+    q8, w8 = quantize_queries(q, w)
+    k8, k_scale = quantize_e4m3(k)
+    fp8_scores = np.asarray(jax.jit(block_scores, static_argnums=3)(q8, w8, k8.astype(jnp.float32), scale, k_scale))[0]
+    fp8_scores = np.where(np.asarray(k_pos)[None, :] <= np.asarray(q_pos)[:, None], fp8_scores, -np.inf)
+    rank = np.argsort(np.argsort(-fp8_scores, axis=-1, kind="stable"), axis=-1)
+    bf16_top = chosen["bf16"]
+    out["deepest FP8 rank of a bf16 top-k key"] = int(max(rank[i, bf16_top[i][bf16_top[i] >= 0]].max()
+                                                          for i in range(queries)) + 1)
+    return out
 
 
 def parity() -> dict:
@@ -192,6 +220,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--keys", type=int, nargs="+", default=[4096, 16384, 65536])
     parser.add_argument("--queries", type=int, default=32)
+    parser.add_argument("--candidates", type=int, default=4096, help="wide: the fp8+M variant's M")
     parser.add_argument("--rows", type=int, nargs="+", default=[0, 5])
     parser.add_argument("--sections", nargs="+", default=["policy", "wide", "parity", "ptx"])
     parser.add_argument("--no-fp8-dot", action="store_true", help="ptx: without kernels/fp8_dot.py's rule")
@@ -206,7 +235,7 @@ def main():
         out["policy"] = policy(args.rows)
         print(json.dumps({"policy": out["policy"]}), flush=True)
     if "wide" in args.sections:
-        out["wide"] = [wide(n, args.queries) for n in args.keys]
+        out["wide"] = [wide(n, args.queries, candidates=args.candidates) for n in args.keys]
         print(json.dumps({"wide": out["wide"]}), flush=True)
     if "parity" in args.sections:
         out["parity"] = parity()

@@ -189,6 +189,7 @@ class ModelSpec(_Section):
     gather_weights_min_tokens: int = _rules(at_least(0))
     cache_dtype: str = _rules(one_of(choices.CACHE_DTYPES))
     indexer_dtype: str = _rules(one_of(choices.INDEXER_DTYPES))
+    indexer_candidates: int = _rules(at_least(0))
 
     @property
     def checkpoint_path(self) -> Path | None:

@@ -75,6 +75,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.gather_weights_min_tokens = 0
     c.model.cache_dtype = "auto"  # decode/prefix cache latent + indexer key: auto (= model.dtype) or float8_e4m3fn
     c.model.indexer_dtype = "bf16"  # DSA indexer scoring: bf16 (the parameter dtype) or fp8 (e4m3 + per-row scales)
+    # fp8 only: keep FP8's best N keys per query and pick the top-k of them rescored unquantized (0 = FP8's own top-k)
+    c.model.indexer_candidates = 0
 
     c.data = ml_collections.ConfigDict()
     c.data.path = ""  # DAPO-schema parquet/JSONL; "" = the 75 bundled rows

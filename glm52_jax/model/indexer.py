@@ -26,6 +26,22 @@ key's scale multiplies its head sum. The reference computes the same formula on 
 so both paths select the same top-k of the quantized scores; what FP8 changes is which keys a query selects where
 bf16 scores nearly tie (overlap measured in benchmarks/indexer_fp8.py).
 
+Before FP8 quantization, q and k are rotated by the orthonormal Hadamard matrix of the head dim (`hadamard`,
+`Indexer.project(rotate=True)`), as DeepSeek-V3.2's reference indexer does (`rotate_activation` before `act_quant`):
+(q H) . (k H) = q . k, so the scores are unchanged in exact arithmetic, but an outlier channel is spread over all
+128, so one row's scale no longer crushes its other entries to a few e4m3 steps. The rotated keys are what the
+cache holds (bf16 or e4m3), and the rotated values are rounded to the parameter dtype as the unrotated ones were,
+so a whole-sequence call and a chunked one over the cache quantize the same numbers. bf16 scoring never rotates
+(HF's indexer does not; there it would only add rounding).
+
+FP8 candidates rescored (`candidates` M > 0, `ModelOptions.indexer_candidates`): the FP8 key loop keeps each query's
+best M (> K) keys instead of K, and those M are scored again from the unquantized q, w and keys (a gather of M key
+rows per query, in the parameter dtype with float32 accumulation: bf16 scoring's formula), and the top K of those
+scores is the selection, ties to the lower key index as bf16's merge. Whenever bf16's top K lie within FP8's top M,
+this is bf16 scoring's selection (up to the float32 summation order of equal-looking scores), at FP8's price for the
+O(S x T) part: the rescoring is O(S x M), and the merge carries M candidates (benchmarks/indexer_fp8.py measures
+how far down FP8's ranking bf16's top K reach).
+
 Axis letters: B batch, S queries, T keys, H indexer heads, I indexer head dim, K top-k, D model dim,
 Q q_lora rank, R rotary dim.
 """
@@ -34,6 +50,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from glm52_jax import positions as rope_lib
@@ -63,10 +80,12 @@ class Indexer(nnx.Module):
         self.k_norm = LayerNorm(self.head_dim, 1e-6, "index_dim", dtype)
         self.weights_proj = param(rngs, (cfg.hidden_size, self.n_heads), ("embed", "index_heads"), jnp.float32)
 
-    def project(self, x: jax.Array, q_resid: jax.Array, cos: jax.Array, sin: jax.Array):
+    def project(self, x: jax.Array, q_resid: jax.Array, cos: jax.Array, sin: jax.Array, rotate: bool = False):
         """`x: [B,S,D], q_resid: [B,S,Q] -> q: [B,S,H,I], k: [B,S,I], w: [B,S,H]` (float32).
 
-        `w` already includes `H**-0.5`; `q . k` still needs `head_dim**-0.5` (see `topk`).
+        `w` already includes `H**-0.5`; `q . k` still needs `head_dim**-0.5` (see `topk`). `rotate`: q and k
+        after RoPE times the Hadamard matrix (`hadamard`; FP8 scoring, module docstring), rounded to the dtype
+        they had.
         """
         q = project(q_resid, self.wq_b, "bsq,qhi->bshi")
         q_rot = rope_lib.apply_interleaved_rope(q[..., : self.rope_dim], cos[:, :, None, :], sin[:, :, None, :])
@@ -74,9 +93,29 @@ class Indexer(nnx.Module):
         k = self.k_norm(project(x, self.wk, "bsd,di->bsi"))
         k_rot = rope_lib.apply_interleaved_rope(k[..., : self.rope_dim], cos, sin)
         k = jnp.concatenate([k_rot, k[..., self.rope_dim:]], axis=-1)
+        if rotate:
+            q, k = rotate_rows(q), rotate_rows(k)
         w = project(x, self.weights_proj, "bsd,dh->bsh") * (self.n_heads ** -0.5)  # float32 (the kernel's dtype)
         q = constrain(q.astype(jnp.float32), ("batch", "seq", "index_heads", "index_dim"))
         return q, k.astype(jnp.float32), w
+
+
+def hadamard(n: int) -> np.ndarray:
+    """The orthonormal Hadamard matrix of order n (a power of 2), Sylvester's order (H_2m = [[H, H], [H, -H]] /
+    sqrt 2, the order of DeepSeek's `hadamard_transform`): symmetric, H @ H = I, every entry +-n**-0.5."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"hadamard: the order must be a power of 2, got {n}")
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(n)
+
+
+def rotate_rows(x: jax.Array) -> jax.Array:
+    """`x [..., I] -> x @ hadamard(I)` in float32, rounded back to x's dtype (what FP8 scoring quantizes)."""
+    rotation = jnp.asarray(hadamard(x.shape[-1]), jnp.float32)
+    rotated = jnp.einsum("...i,ij->...j", x.astype(jnp.float32), rotation, precision=jax.lax.Precision.HIGHEST)
+    return rotated.astype(x.dtype)
 
 
 def _pad_to(x: jax.Array, axis: int, multiple: int, value) -> jax.Array:
@@ -132,7 +171,7 @@ def quantize_queries(q: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
 def streaming_topk(q: jax.Array, w: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: jax.Array, topk: int, *,
                    scale: float, query_block: int, key_block: int, sorted_keys: bool = True,
                    return_scores: bool = False, kernels: str = "reference", score_dtype=None,
-                   loop_name: str = CAUSAL_KEY_LOOP, indexer_dtype: str = "bf16"):
+                   loop_name: str = CAUSAL_KEY_LOOP, indexer_dtype: str = "bf16", candidates: int = 0):
     """Exact causal top-k of the index scores without materialising `[S, T]`.
 
     q: [B,S,H,I], w: [B,S,H], k: [B,T,I], q_pos: [S], k_pos: [T] (key s is visible to query t
@@ -146,12 +185,21 @@ def streaming_topk(q: jax.Array, w: jax.Array, k: jax.Array, q_pos: jax.Array, k
     so the cast is exact). Same top-k either way (the merge below is shared). `loop_name`: the key loop's
     name scope (`loop_scopes`), which tells plan mode's estimate which trip count it has. `indexer_dtype`:
     "bf16" (the above) or "fp8" (module docstring: q and k quantized to e4m3 once per call, FP8 MMA in the kernel).
+    `candidates`: with "fp8", M > 0 keeps FP8's best M keys per query and selects the top K of them rescored
+    unquantized (module docstring).
     """
     batch, seq = q.shape[:2]
     num_keys = k.shape[1]
     k, k_pos = jax.lax.stop_gradient(k), k_pos.astype(jnp.int32)
     qb, kb = causal_blocks(seq, num_keys, query_block, key_block, kernels)
     fp8 = check_indexer_dtype(indexer_dtype)
+    kk = min(topk, num_keys)
+    exact_keys = k  # unquantized: what the FP8 candidates are rescored against
+
+    def key_rows(idx):
+        return _take_rows(exact_keys, idx)
+
+    rescore = _rescoring(fp8, candidates, topk, num_keys, q, w, _gathered_scores(key_rows, scale, score_dtype))
     k_scale = None
     if fp8:
         q, w = quantize_queries(q, w)
@@ -187,14 +235,15 @@ def streaming_topk(q: jax.Array, w: jax.Array, k: jax.Array, q_pos: jax.Array, k
             return jnp.sum(kpos_first <= jnp.max(qpos_blk)).astype(jnp.int32)
         return nk
 
-    kk = min(topk, num_keys)
-    merger = _SelectMerge(kk) if use_pallas(kernels) else None
-    return _topk_core(q, w, q_pos, score_block, visible_blocks, qb, kk, return_scores, merger, loop_name)
+    keep = kk if rescore is None else rescore[0]
+    merger = _SelectMerge(keep) if use_pallas(kernels) else None
+    return _topk_core(q, w, q_pos, score_block, visible_blocks, qb, keep, return_scores, merger, loop_name, rescore)
 
 
 def cached_topk(q: jax.Array, w: jax.Array, keys: jax.Array, index: tuple, q_pos: jax.Array, length: jax.Array,
                 topk: int, *, scale: float, query_block: int, key_block: int, kernels: str = "reference",
-                score_dtype=None, key_scales: jax.Array | None = None, indexer_dtype: str = "bf16"):
+                score_dtype=None, key_scales: jax.Array | None = None, indexer_dtype: str = "bf16",
+                candidates: int = 0):
     """Top-k over cache slots `[0, length)` of `keys[index]` (every query sits at or after `length`).
 
     keys: [..., B, Cap, I] a stacked cache read in place: the reference reads each key block as a
@@ -205,7 +254,8 @@ def cached_topk(q: jax.Array, w: jax.Array, keys: jax.Array, index: tuple, q_pos
     `score_dtype` (exact) and multiplies each key's score by its scale (relu commutes with a positive scale).
     `indexer_dtype="fp8"` (module docstring): the queries are quantized, e4m3 keys with scales are scored as stored
     on FP8 tensor cores, keys of another dtype are quantized per row as each block is read (the kernel: as it loads
-    them; never the whole cache).
+    them; never the whole cache). `candidates`: as `streaming_topk`'s (the rescoring gathers the M candidates' rows
+    from the stack, dequantized where it is e4m3).
     Returns (scores [B,S,K], indices [B,S,K]) with K = min(topk, Cap), INVALID / -inf where empty.
     """
     batch, capacity, dim = keys.shape[-3:]
@@ -215,6 +265,15 @@ def cached_topk(q: jax.Array, w: jax.Array, keys: jax.Array, index: tuple, q_pos
     if key_scales is not None:
         key_scales = jax.lax.stop_gradient(key_scales)
     fp8 = check_indexer_dtype(indexer_dtype)
+
+    def stack_rows(idx):  # [B,r,M] slots -> their key rows [B,r,M,I] float32 (e4m3 rows dequantized)
+        rows = _take_rows(jax.lax.stop_gradient(keys[lead]), idx)
+        if key_scales is None:
+            return rows.astype(jnp.float32)
+        return cache_fp8.read_rows(rows, _take_rows(key_scales[lead][..., None], idx)[..., 0], jnp.float32)
+
+    rescore = _rescoring(fp8, candidates, topk, capacity, q, w, _gathered_scores(stack_rows, scale, score_dtype))
+    keep = kk if rescore is None else rescore[0]
     if fp8:
         q, w = quantize_queries(q, w)
     if use_pallas(kernels):
@@ -234,8 +293,8 @@ def cached_topk(q: jax.Array, w: jax.Array, keys: jax.Array, index: tuple, q_pos
                                                  k_scale=key_scales, quantize_keys=quantize_keys)
             return scores, j * kb + jnp.arange(kb, dtype=jnp.int32)
 
-        return _topk_core(q, w, q_pos, score_block, lambda qpos_blk: (length + kb - 1) // kb, qb, kk, True,
-                          _SelectMerge(kk), CACHED_KEY_LOOP)
+        return _topk_core(q, w, q_pos, score_block, lambda qpos_blk: (length + kb - 1) // kb, qb, keep, True,
+                          _SelectMerge(keep), CACHED_KEY_LOOP, rescore)
     zero = jnp.zeros((), jnp.int32)
 
     def read(j):
@@ -263,7 +322,7 @@ def cached_topk(q: jax.Array, w: jax.Array, keys: jax.Array, index: tuple, q_pos
         return cache_fp8.read_rows(blk, blk_scale, jnp.float32), kpos, slots, None
 
     return _topk_core(q, w, q_pos, _reference_scores(read, scale), lambda qpos_blk: (length + kb - 1) // kb,
-                      qb, kk, True, None, CACHED_KEY_LOOP)
+                      qb, keep, True, None, CACHED_KEY_LOOP, rescore)
 
 
 def merge_topk(first: tuple[jax.Array, jax.Array], second: tuple[jax.Array, jax.Array], topk: int,
@@ -286,6 +345,69 @@ def merge_topk(first: tuple[jax.Array, jax.Array], second: tuple[jax.Array, jax.
         best, pos = jax.lax.top_k(vals, k)
         picked = jnp.take_along_axis(idxs, pos, axis=-1)
     return jnp.where(jnp.isneginf(best), INVALID, picked)
+
+
+# Queries whose M candidates one rescoring step gathers at once: [r, M, I] rows (r x 4,096 x 128 x 4 B = 512 MiB
+# at r = 256) and [r, H, M] float32 logits, whatever the key loop's query block (4,096 on a GPU).
+RESCORE_ROWS = 256
+
+
+def _take_rows(rows: jax.Array, idx: jax.Array) -> jax.Array:
+    """`rows [B,T,I]`, `idx [B,r,M]` (INVALID allowed) -> `[B,r,M,I]` (row 0 where INVALID)."""
+    return jax.vmap(lambda r, i: r[i])(rows, jnp.maximum(idx, 0))
+
+
+def _gathered_scores(take, scale: float, score_dtype):
+    """score_candidates(q [B,r,H,I], w [B,r,H], idx [B,r,M]) -> [B,r,M] float32: `block_scores`' formula on the
+    candidates' key rows `take(idx)`, in `score_dtype` (float32 without one) with float32 accumulation."""
+    dtype = jnp.float32 if score_dtype is None else score_dtype
+
+    def score(q, w, idx):
+        rows = take(idx)
+        logits = jnp.einsum("brhi,brmi->brhm", q.astype(dtype), rows.astype(dtype),
+                            preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST) * scale
+        return jnp.einsum("brh,brhm->brm", w, jax.nn.relu(logits), precision=jax.lax.Precision.HIGHEST)
+
+    return score
+
+
+def _rescoring(fp8: bool, candidates: int, topk: int, num_keys: int, q, w, score_candidates):
+    """`_topk_core`'s `rescore` argument: (M, K, unquantized (q, w), score_candidates), or None (plain selection:
+    bf16 scoring or no `candidates`). Rescored also where no more than K keys exist (M = K): the scores returned
+    are then the unquantized ones, as callers merging candidates from several key sets (a cache and the chunk,
+    slot shards of several devices) need them all on one scale."""
+    if candidates < 0:
+        raise ValueError(f"indexer candidates: expected 0 (off) or more than the top-k, got {candidates}")
+    if not (fp8 and candidates):
+        return None
+    if candidates <= topk:
+        raise ValueError(f"indexer candidates: {candidates} must exceed the top-k ({topk}) to rescore anything")
+    return min(candidates, num_keys), min(topk, num_keys), jax.lax.stop_gradient((q, w)), score_candidates
+
+
+def _rescored(idx, q, w, score_candidates, kk: int):
+    """FP8's candidates `idx [B,r,M]` (INVALID where none) -> (scores, indices) [B,r,K] of the best K by
+    `score_candidates` (the unquantized scores), best first; equal scores keep the lower key index, as the
+    bf16 merge does (`lax.top_k` keeps the first of equals, and the candidates are put in key order first)."""
+    idx = jnp.sort(idx, axis=-1)
+    rows = idx.shape[1]
+    sub = max(d for d in range(1, min(rows, RESCORE_ROWS) + 1) if rows % d == 0)
+
+    def one(args):
+        q_s, w_s, i_s = args
+        return jnp.where(i_s >= 0, score_candidates(q_s, w_s, i_s), -jnp.inf)
+
+    if sub == rows:
+        scores = one((q, w, idx))
+    else:
+        def split(a):
+            return a.reshape(a.shape[0], rows // sub, sub, *a.shape[2:]).swapaxes(0, 1)
+
+        scores = jax.lax.map(one, (split(q), split(w), split(idx)))  # [n, B, sub, M]
+        scores = scores.swapaxes(0, 1).reshape(idx.shape)
+    best, pos = jax.lax.top_k(scores, kk)
+    picked = jnp.take_along_axis(idx, pos, axis=-1)
+    return best, jnp.where(jnp.isneginf(best), INVALID, picked)
 
 
 def _reference_scores(read_block, scale):
@@ -343,13 +465,15 @@ class _SelectMerge:
 
 
 def _topk_core(q, w, q_pos, score_block, visible_blocks, qb, kk, return_scores, merger=None,
-               loop_name=CAUSAL_KEY_LOOP):
+               loop_name=CAUSAL_KEY_LOOP, rescore=None):
     """Query blocks of qb (`lax.map`) x visible key blocks (`fori_loop`) with a running top-k.
 
     score_block(j, q_blk [B,qb,H,I], w_blk [B,qb,H], qpos_blk [qb]) -> (scores [B,qb,kb] float32,
     -inf where not visible; key indices [kb], consecutive and increasing with j); visible_blocks(qpos_blk)
     -> number of leading key blocks any query of the block can see. `merger`: `_SortMerge` (default)
     or `_SelectMerge`. `loop_name`: the key loop's name scope (CAUSAL_KEY_LOOP / CACHED_KEY_LOOP).
+    `rescore`: None, or (M = kk, K, (q, w) unquantized, score_candidates) from `_rescoring`: the loop keeps M
+    candidates and each query block returns the best K of them by `score_candidates` (`_rescored`).
     """
     merger = _SortMerge(kk) if merger is None else merger
     # No gradient flows through selection (HF runs the indexer under no_grad); stopping it at the
@@ -360,22 +484,30 @@ def _topk_core(q, w, q_pos, score_block, visible_blocks, qb, kk, return_scores, 
     w = _pad_to(w, 1, qb, 0.0)
     q_pos_p = _pad_to(q_pos, 0, qb, -1)  # padded queries see no key
     nq = q.shape[1] // qb
+    out_k = kk if rescore is None else rescore[1]
 
     def one_query_block(args):
-        q_blk, w_blk, qpos_blk = args  # [B,qb,H,I], [B,qb,H], [qb]
+        q_blk, w_blk, qpos_blk = args[:3]  # [B,qb,H,I], [B,qb,H], [qb]
 
         def merge(j, carry):
             return merger.step(carry, *score_block(j, q_blk, w_blk, qpos_blk))
 
         with jax.named_scope(loop_name):
             carry = jax.lax.fori_loop(0, visible_blocks(qpos_blk), merge, merger.init(batch, qb))
-        return merger.finish(carry)
+        vals, idx = merger.finish(carry)
+        if rescore is None:
+            return vals, idx
+        return _rescored(idx, *args[3:], rescore[3], out_k)
 
-    q_blocks = q.reshape(batch, nq, qb, *q.shape[2:]).swapaxes(0, 1)
-    w_blocks = w.reshape(batch, nq, qb, -1).swapaxes(0, 1)
-    vals, idx = jax.lax.map(one_query_block, (q_blocks, w_blocks, q_pos_p.reshape(nq, qb)))  # [nq,B,qb,K]
+    def blocks(a):  # [B, nq*qb, ...] -> [nq, B, qb, ...]
+        return _pad_to(a, 1, qb, 0.0).reshape(batch, nq, qb, *a.shape[2:]).swapaxes(0, 1)
+
+    xs = (blocks(q), blocks(w), q_pos_p.reshape(nq, qb))
+    if rescore is not None:
+        xs += tuple(blocks(a) for a in rescore[2])
+    vals, idx = jax.lax.map(one_query_block, xs)  # [nq,B,qb,K]
 
     def unblock(x):
-        return x.swapaxes(0, 1).reshape(batch, nq * qb, kk)[:, :seq]
+        return x.swapaxes(0, 1).reshape(batch, nq * qb, out_k)[:, :seq]
 
     return (unblock(vals), unblock(idx)) if return_scores else unblock(idx)

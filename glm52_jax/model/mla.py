@@ -18,7 +18,7 @@ from glm52_jax import positions as rope_lib
 from glm52_jax.config import ModelConfig
 from glm52_jax.model import context_parallel as context
 from glm52_jax.model import shared_cache
-from glm52_jax.model.indexer import Indexer, cached_topk, merge_topk, streaming_topk
+from glm52_jax.model.indexer import Indexer, cached_topk, check_indexer_dtype, merge_topk, streaming_topk
 from glm52_jax.model.kv_cache import LayerCacheView
 from glm52_jax.model.layers import RMSNorm, param, project
 from glm52_jax.model.lora import KVBAdapter, adapter, targets
@@ -85,12 +85,14 @@ class Attention(nnx.Module):
         k_rope = rope_lib.apply_interleaved_rope(kv[..., cfg.kv_lora_rank:], cos, sin)
         iq = iw = ik = None
         if self.indexer is not None:
-            iq, ik, iw = self.indexer.project(x, q_resid, cos, sin)
+            # FP8 scoring rotates q and k first (Hadamard, as DeepSeek's reference): the cache holds rotated keys.
+            iq, ik, iw = self.indexer.project(x, q_resid, cos, sin,
+                                              rotate=check_indexer_dtype(self.opts.indexer_dtype))
         if self.indexer is None and prev_topk is None:
             raise ValueError("a 'shared' indexer layer needs the previous full layer's top-k")
         blocks = dict(query_block=self.opts.indexer_query_block, key_block=self.opts.indexer_key_block,
                       kernels=self.opts.kernels, score_dtype=self.opts.param_dtype,
-                      indexer_dtype=self.opts.indexer_dtype)
+                      indexer_dtype=self.opts.indexer_dtype, candidates=self.opts.indexer_candidates)
         iscale = cfg.index_head_dim ** -0.5
         layout = context.current() if cache is None else None
         if layout is not None and context.whole_blocks(x.shape[1], layout.ways) > 1:

@@ -51,6 +51,9 @@ class ModelOptions:
     parameter dtype, float32 in a float32 parity model) or "fp8" (q per (token, head) and k per row quantized to e4m3
     with one float32 scale each, FP8 MMA in the Pallas kernel; an FP8 cache's keys are read as stored). Selection
     only: attention and every gradient are unchanged, but the top-k may differ from bf16's where scores nearly tie.
+    `indexer_candidates`: with "fp8", M > 0 (more than the config's index_topk) keeps FP8's best M keys per query
+    and selects the top-k of them rescored unquantized, bf16 scoring's selection wherever bf16's top-k ranks within
+    FP8's top M (`model.indexer`); 0 (default): FP8's own top-k. Ignored with "bf16".
     `latent_norm_eps`: the epsilon of the MLA q / kv latent RMSNorms; None (default) is HF glm_moe_dsa's 1e-6
     (`model.mla.LATENT_NORM_EPS`). megatron-core, vLLM and HF's glm5_next use the config's rms_norm_eps there
     (docs/DESIGN.md, parity); no checkpoint records which one a model was trained with.
@@ -71,6 +74,7 @@ class ModelOptions:
     gather_weights_min_tokens: int = 0
     cache_dtype: str = "auto"
     indexer_dtype: str = "bf16"
+    indexer_candidates: int = 0
     latent_norm_eps: float | None = None
 
     def __post_init__(self):
@@ -99,6 +103,9 @@ class ModelOptions:
         if self.indexer_dtype not in INDEXER_DTYPES:
             raise ValueError(f"ModelOptions.indexer_dtype: expected one of {INDEXER_DTYPES}, "
                              f"got {self.indexer_dtype!r}")
+        cands = self.indexer_candidates
+        if isinstance(cands, bool) or not isinstance(cands, int) or cands < 0:
+            raise ValueError(f"ModelOptions.indexer_candidates: expected an int >= 0, got {cands!r}")
         eps = self.latent_norm_eps
         if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1):
             raise ValueError(f"ModelOptions.latent_norm_eps: expected None or a number in (0, 1), got {eps!r}")

@@ -153,6 +153,12 @@ class GlmMoeDsa(nnx.Module):
     def __init__(self, cfg: ModelConfig, opts: ModelOptions | None = None, *, rngs: nnx.Rngs):
         opts = opts or ModelOptions()
         dt = opts.param_dtype
+        if opts.indexer_dtype == "fp8" and cfg.index_head_dim & (cfg.index_head_dim - 1):
+            raise ValueError(f"indexer_dtype='fp8' rotates the indexer's q and k by a Hadamard matrix, which needs "
+                             f"index_head_dim a power of 2 (got {cfg.index_head_dim}); use indexer_dtype='bf16'")
+        if opts.indexer_dtype == "fp8" and 0 < opts.indexer_candidates <= cfg.index_topk:
+            raise ValueError(f"indexer_candidates={opts.indexer_candidates} rescores nothing: it must exceed "
+                             f"index_topk={cfg.index_topk} (or be 0 for FP8's own top-k)")
         self.cfg = cfg
         self.opts = opts
         self.segments_plan = tuple(plan_segments(layer_kinds(cfg)))

@@ -106,7 +106,7 @@ def static_report(s: PlanSetup, mesh_spec, lora, dtype, base_fp8=None) -> dict[s
                                                       "param_dtype": str(lora.param_dtype)},
                    "options": {k: getattr(s.opts, k) for k in ("indexer_query_block", "indexer_key_block",
                                                                 "attention_query_block", "remat", "cache_dtype",
-                                                                "indexer_dtype")}},
+                                                                "indexer_dtype", "indexer_candidates")}},
         "model": {"layers": s.cfg.num_hidden_layers,
                   "param_count": sum(math.prod(shape) for shape in shapes),
                   "param_bytes": tree_bytes(base, False), "param_bytes_per_device": tree_bytes(base, True),

@@ -27,7 +27,7 @@ def model_options(model: ModelSpec):
                         moe_token_block=model.moe_token_block, moe_receive_capacity=model.moe_receive_capacity,
                         moe_exchange_windows=model.moe_exchange_windows,
                         gather_weights_min_tokens=model.gather_weights_min_tokens, cache_dtype=model.cache_dtype,
-                        indexer_dtype=model.indexer_dtype)
+                        indexer_dtype=model.indexer_dtype, indexer_candidates=model.indexer_candidates)
 
 
 def loss_settings(train: TrainSpec):

@@ -131,6 +131,76 @@ def test_fp8_topk_equals_numpy_oracle():
     assert 0 < err < 0.1
 
 
+def _rescored_oracle(q, w, k, q_pos, k_pos, kk, m):
+    """numpy selection of FP8 scoring with M candidates rescored: the oracle FP8 scores' best m per query (ties to
+    the lower key), then of those the best kk by the unquantized float64 scores (ties to the lower key)."""
+    fp8 = _fp8_oracle_scores(q, w, k, q_pos, k_pos)
+    logits = np.einsum("bshi,bti->bsht", np.asarray(q, np.float64), np.asarray(k, np.float64)) * SCALE
+    exact = np.einsum("bsh,bsht->bst", np.asarray(w, np.float64), np.maximum(logits, 0.0))
+    exact = np.where(np.isneginf(fp8), -np.inf, exact)
+    keep = np.sort(np.argsort(-fp8, axis=-1, kind="stable")[..., :m], axis=-1)
+    kept = np.where(np.isneginf(np.take_along_axis(fp8, keep, -1)), -np.inf, np.take_along_axis(exact, keep, -1))
+    order = np.argsort(-kept, axis=-1, kind="stable")[..., :kk]
+    vals = np.take_along_axis(kept, order, -1)
+    return np.where(np.isneginf(vals), INVALID, np.take_along_axis(keep, order, -1)), vals
+
+
+@pytest.mark.parametrize("kernels", ["reference", "pallas"])
+def test_fp8_candidates_rescored_equal_the_oracle(kernels):
+    """indexer_dtype="fp8" with `candidates`: the FP8 loop keeps M keys per query and the best K of them by their
+    unquantized scores are selected. With M = 8 over K = 6 (a narrow margin) the selection is the oracle's, for a sequence's keys and a float32 cache stack; with M = 20 (every key)
+    it is bf16 scoring's own selection and scores."""
+    q, w, k = _inputs(10, b=1, s=12, t=20)
+    pos = 8 + jnp.arange(12, dtype=jnp.int32)
+    k_pos = jnp.arange(20, dtype=jnp.int32)
+    kk = 6
+    blocks = dict(scale=SCALE, query_block=8, key_block=8, kernels=kernels)
+    stack = jnp.zeros((2, 1, 24, 16), jnp.float32).at[1, :, :20].set(k)
+    cached = dict(index=(1,), q_pos=pos + 20, length=jnp.int32(20), topk=kk, **blocks)
+    for m in (8, 20):
+        fp8 = dict(indexer_dtype="fp8", candidates=m)
+        got = {"sequence": streaming_topk(q, w, k, pos, k_pos, kk, return_scores=True, **blocks, **fp8)[::-1],
+               "cache": cached_topk(q, w, stack, **cached, **fp8)[::-1]}
+        for name, (idx, vals) in got.items():
+            q_pos = pos + 20 if name == "cache" else pos
+            want_idx, want_vals = _rescored_oracle(q, w, k, q_pos, k_pos, kk, m)
+            np.testing.assert_array_equal(np.asarray(idx), want_idx, err_msg=f"{name}, M={m}")
+            _assert_scores_equal(vals, want_vals.astype(np.float32), **F32_TOL)
+        if m == 20:
+            bf16 = streaming_topk(q, w, k, pos, k_pos, kk, return_scores=True, **blocks)
+            np.testing.assert_array_equal(np.asarray(got["sequence"][0]), np.asarray(bf16[1]))
+            _assert_scores_equal(got["sequence"][1], bf16[0], **F32_TOL)
+    # FP8's own top 6 is not bf16's here, so the M = 20 equality above is the rescoring's doing.
+    fp8_only = np.asarray(streaming_topk(q, w, k, pos, k_pos, kk, indexer_dtype="fp8", **blocks))
+    assert (fp8_only != np.asarray(streaming_topk(q, w, k, pos, k_pos, kk, **blocks))).any()
+
+
+def test_fp8_candidates_over_an_e4m3_cache_rescore_the_dequantized_rows():
+    """An FP8 cache (e4m3 rows + scales) with FP8 scoring and every slot a candidate: the selection is bf16
+    scoring's of the dequantized rows (what the cache holds), read in place from the stack."""
+    from glm52_jax.model.cache_fp8 import quantize_rows
+
+    q, w, _ = _inputs(8, s=3)
+    keys, scales = quantize_rows(jax.random.normal(jax.random.key(9), (2, 2, 2, 41, 16), jnp.float32) * 3.0)
+    length = jnp.asarray(35, jnp.int32)
+    q_pos = 35 + jnp.arange(3, dtype=jnp.int32)
+    args = dict(scale=SCALE, query_block=4, key_block=16, key_scales=scales)
+    vals, idx = cached_topk(q, w, keys, (1, 0), q_pos, length, 8, indexer_dtype="fp8", candidates=41, **args)
+    ref_vals, ref_idx = cached_topk(q, w, keys, (1, 0), q_pos, length, 8, **args)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref_idx))
+    _assert_scores_equal(vals, ref_vals, **F32_TOL)
+
+
+def test_fp8_candidates_are_checked():
+    q, w, k = _inputs(1, b=1, s=4, t=12)
+    pos = jnp.arange(12, dtype=jnp.int32)
+    with pytest.raises(ValueError, match="must exceed the top-k"):
+        streaming_topk(q, w, k, pos[8:], pos, 6, scale=SCALE, query_block=4, key_block=4, indexer_dtype="fp8",
+                       candidates=6)
+    with pytest.raises(ValueError, match="rescores nothing"):
+        GlmMoeDsa(tiny(), ModelOptions(indexer_dtype="fp8", indexer_candidates=16), rngs=nnx.Rngs(0))
+
+
 @pytest.mark.parametrize("query_block,key_block,topk", [(8, 4, 7), (64, 3, 50), (16, 16, 16)])
 def test_streaming_topk_equals_reference(query_block, key_block, topk):
     """Ragged tails (37 = 2x16 + 5 queries, 37 keys), k above the visible count for early rows and

@@ -5,10 +5,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from dense_oracle import dense_topk
+from flax import nnx
 from indexer_inputs import indexer_inputs as _inputs
 from jaxpr_utils import all_eqns, largest_intermediate
 
+import glm52_jax
+from glm52_jax import config, positions
+from glm52_jax.model import indexer
 from glm52_jax.model.indexer import INVALID, cached_topk, streaming_topk
+from glm52_jax.model.layers import project
+from glm52_jax.model.mla import Attention
+from glm52_jax.model.transformer import GlmMoeDsa
 
 
 @pytest.mark.parametrize("qb,kb", [(8, 4), (16, 16), (37, 37), (5, 64), (64, 3)])
@@ -140,3 +147,60 @@ def test_no_score_matrix_in_default_path():
         return streaming_topk(q, w, k, p, p, 64, scale=1.0, query_block=128, key_block=256)
     biggest = largest_intermediate(jax.make_jaxpr(fn)(q, w, k, pos))
     assert biggest < s * s // 16, biggest
+
+
+# -- FP8 scoring's Hadamard rotation ----------------------------------------------------------------------------
+
+def test_hadamard_is_the_orthonormal_sylvester_matrix():
+    """Sylvester's order ([[H, H], [H, -H]] / sqrt 2, DeepSeek's `hadamard_transform`), orthonormal and symmetric;
+    an order that is not a power of 2 is refused."""
+    np.testing.assert_array_equal(indexer.hadamard(2) * np.sqrt(2), [[1, 1], [1, -1]])
+    h = indexer.hadamard(128)
+    np.testing.assert_array_equal(h[:64, 64:], h[:64, :64])
+    np.testing.assert_array_equal(h[64:, 64:], -h[:64, :64])
+    np.testing.assert_allclose(h @ h, np.eye(128), atol=1e-12)
+    np.testing.assert_allclose(np.abs(h), np.full((128, 128), 128 ** -0.5), rtol=1e-15)
+    with pytest.raises(ValueError, match="power of 2"):
+        indexer.hadamard(96)
+
+
+def test_rotation_keeps_the_scores():
+    """(q H) . (k H) = q . k: in float32 the rotated scores equal the plain ones to rounding."""
+    q, w, k = _inputs(1, 1, 24, 40, 4, 32)
+    plain = np.asarray(indexer.block_scores(q, w, k, 32 ** -0.5))
+    rotated = indexer.block_scores(indexer.rotate_rows(q), w, indexer.rotate_rows(k), 32 ** -0.5)
+    np.testing.assert_allclose(rotated, plain, rtol=1e-5, atol=1e-5 * float(np.abs(plain).max()))
+
+
+@pytest.mark.parametrize("indexer_dtype", ["bf16", "fp8"])
+def test_fp8_layers_score_and_cache_rotated_keys(indexer_dtype):
+    """A bf16 attention layer with `indexer_dtype="fp8"` emits (for its cache) the keys rotated and rounded to bf16,
+    and selects the FP8 top-k of the rotated q and k; with bf16 scoring, the plain keys and their top-k."""
+    cfg = config.tiny()
+    opts = glm52_jax.ModelOptions(param_dtype=jnp.bfloat16, indexer_query_block=16, indexer_key_block=16,
+                                  kernels="reference", indexer_dtype=indexer_dtype)
+    layer = Attention(cfg, True, opts, nnx.Rngs(0))
+    seq = 48
+    x = jax.random.normal(jax.random.key(1), (1, seq, cfg.hidden_size), jnp.bfloat16)
+    pos = jnp.arange(seq, dtype=jnp.int32)
+    cos, sin = (t[None] for t in positions.rope_cos_sin(pos, positions.rotary_table(cfg.rope, cfg.qk_rope_head_dim)))
+    _, topk, (_, _, ik) = layer(x, cos, sin, pos, None)
+
+    fp8 = indexer_dtype == "fp8"
+    q_resid = layer.q_a_layernorm(project(x, layer.q_a_proj, "bsd,dq->bsq"))
+    q, k, w = layer.indexer.project(x, q_resid, cos, sin, rotate=fp8)
+    plain_k = layer.indexer.project(x, q_resid, cos, sin)[1]
+    np.testing.assert_array_equal(np.asarray(ik, np.float32), np.asarray(k))
+    np.testing.assert_array_equal(np.asarray(k), np.asarray(k.astype(jnp.bfloat16).astype(jnp.float32)))
+    if fp8:
+        np.testing.assert_array_equal(k, indexer.rotate_rows(plain_k.astype(jnp.bfloat16)).astype(jnp.float32))
+        assert not np.allclose(k, plain_k, atol=1e-2)
+    want = streaming_topk(q, w, k, pos, pos, cfg.index_topk, scale=cfg.index_head_dim ** -0.5, query_block=16,
+                          key_block=16, indexer_dtype=indexer_dtype)
+    np.testing.assert_array_equal(np.asarray(topk), np.asarray(want))
+
+
+def test_fp8_scoring_needs_a_power_of_2_head_dim():
+    cfg = config.tiny(index_head_dim=48)
+    with pytest.raises(ValueError, match="index_head_dim a power of 2"):
+        nnx.eval_shape(lambda: GlmMoeDsa(cfg, glm52_jax.ModelOptions(indexer_dtype="fp8"), rngs=nnx.Rngs(0)))

@@ -325,6 +325,25 @@ def test_whole_prompt_prefill_is_context_parallel_and_matches_chunked(model, pro
 
 
 
+
+def test_fp8_indexer_rescoring_every_key_samples_as_bf16(model, prompt, reference_sampling):
+    """`indexer_dtype="fp8"` with `indexer_candidates` >= every key: the FP8 loops keep all keys and the rescoring
+    selects bf16 scoring's top-k in each path the 2M run takes on a mesh: the whole-prompt context-parallel prefill
+    (gathered keys) and the decode's per-device cached top-k merged across the slot shards. So the folded=8 greedy
+    run equals the one-device bf16 run (tokens; log-probs 1e-5). The rescoring with fewer candidates than keys:
+    tests/kernels/test_indexer_kernel.py (an oracle)."""
+    opts = dataclasses.replace(model.opts, indexer_dtype="fp8", indexer_candidates=CAPACITY)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: GlmMoeDsa(CFG, opts, rngs=nnx.Rngs(0))))
+    fp8 = nnx.merge(graphdef, nnx.state(model))
+    ref = reference_sampling[2]
+    mesh_spec, mesh = _mesh("folded=8")
+    with axis_rules(mesh_spec.rules()):
+        sampler = Sampler(place_model(fp8, mesh), prefill_mode="whole", **QUIET)
+        with jax.set_mesh(mesh):
+            out = sampler.sample(prompt, GREEDY)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    np.testing.assert_allclose(out.logprobs, ref.logprobs, rtol=1e-5, atol=1e-5)
+
 @functools.partial(jax.jit, static_argnums=0)
 def _logits_and_lora_grads(graphdef, params, lora, ids):
     """Logits [1,S,V] of ids [1,S] and the LoRA gradient of a loss on all of them (mean next-token log-prob)."""
