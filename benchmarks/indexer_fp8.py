@@ -1,7 +1,7 @@
 """FP8 indexer scoring (`model.indexer_dtype=fp8`) against bf16 scoring (measurement, not a test).
 
 Variants: "bf16" (the default), "fp8" (e4m3 q and k after the Hadamard rotation, FP8's own top-k) and "fp8+M" (FP8
-keeps M candidates per query, rescored unquantized: `model.indexer_candidates`).
+keeps M candidates per query, rescored unquantized: `model.indexer_candidates`; q and k not rotated).
 
   policy   the shipped tiny policy (8 indexer heads of 32, top-32), DAPO prompts of 256 tokens, the float32 model as
            the exact reference: per full indexer layer, the fraction of a variant's top-k shared with bf16's and
@@ -13,6 +13,8 @@ keeps M candidates per query, rescored unquantized: `model.indexer_candidates`).
            positions' top-2048 over 4K-64K causal keys, each variant's overlap with bf16's (bf16's with the float32
            projections' as the yardstick), and how far down FP8's ranking bf16's top-2048 reach (the deepest rank:
            M above it loses nothing).
+  depth    `wide`'s layer scored densely per chunk of keys (no streaming top-k, so 2M keys fit a CPU): how far down
+           FP8's ranking bf16's top-2048 reach, and their share within FP8's top 2,048 / 3,072 / 4,096.
   parity   GRPO LoRA gradients of shared_prefix against conventional (the parity receipt's pair) on the tiny 4-layer
            float32 model of tests/rl/test_gradients.py (40-token prompt > top-32), within each indexer dtype
            (rel-L2, cosine), and FP8's gradients against bf16's (conventional).
@@ -21,7 +23,7 @@ keeps M candidates per query, rescored unquantized: `model.indexer_candidates`).
            with and without kernels/fp8_dot.py (needs the gpu-aot extra).
 
     .venv/bin/python benchmarks/indexer_fp8.py [--keys 4096 16384 65536] [--rows 0 5] [--queries 32]
-        [--candidates 4096] [--sections policy wide parity ptx] [--no-fp8-dot] [--json]
+        [--candidates 4096] [--sections policy wide depth parity ptx] [--no-fp8-dot] [--json]
 """
 
 from __future__ import annotations
@@ -122,21 +124,25 @@ def wide(num_keys: int, queries: int = 64, seed: int = 0, candidates: int = 4096
     table = rope_lib.rotary_table(cfg.rope, cfg.qk_rope_head_dim)
     scale = cfg.index_head_dim ** -0.5
 
-    @jax.jit
-    def project(x, q_resid, pos):  # {variant: (q, k, w)} of one chunk: float32 weights, bf16, bf16 rotated (FP8's)
+    def variants(x, q_resid, pos):  # {variant: (q, k, w)}: float32 weights, bf16, bf16 rotated (FP8's own)
         cos, sin = (t[None] for t in rope_lib.rope_cos_sin(pos, table))
         return {"float32": exact.project(x.astype(jnp.float32), q_resid.astype(jnp.float32), cos, sin),
                 "bf16": layer.project(x, q_resid, cos, sin), "fp8": layer.project(x, q_resid, cos, sin, rotate=True)}
 
+    # Keys of every chunk (the query side is dead code there, removed by XLA); queries of the last chunk only.
+    keys_of = jax.jit(lambda x, q_resid, pos: {n: v[1] for n, v in variants(x, q_resid, pos).items()})
     rng = jax.random.key(seed + 1)
     chunk = min(4096, num_keys)
-    parts = []
+    keys = {}
     for start in range(0, num_keys, chunk):  # the queries are the last chunk's last `queries` positions
         x = jax.random.normal(jax.random.fold_in(rng, start), (1, chunk, cfg.hidden_size), jnp.bfloat16)
         q_resid = jax.random.normal(jax.random.fold_in(rng, 2**30 + start), (1, chunk, cfg.q_lora_rank), jnp.bfloat16)
-        parts.append(project(x, q_resid, start + jnp.arange(chunk, dtype=jnp.int32)))
-    inputs = {name: (parts[-1][name][0][:, -queries:], parts[-1][name][2][:, -queries:],
-                     jnp.concatenate([p[name][1] for p in parts], axis=1)) for name in parts[0]}
+        pos = start + jnp.arange(chunk, dtype=jnp.int32)
+        for name, k in keys_of(x, q_resid, pos).items():
+            keys.setdefault(name, []).append(k)
+    last = jax.jit(variants)(x[:, -queries:], q_resid[:, -queries:], pos[-queries:])
+    inputs = {name: (q, w, jnp.concatenate(keys[name], axis=1)) for name, (q, _, w) in last.items()}
+    del keys
     k_pos = jnp.arange(num_keys, dtype=jnp.int32)
     q_pos = k_pos[-queries:]
 
@@ -147,15 +153,15 @@ def wide(num_keys: int, queries: int = 64, seed: int = 0, candidates: int = 4096
         return np.asarray(run(*inputs[name]))[0]
 
     chosen = {"float32": select("float32", "bf16"), "bf16": select("bf16", "bf16"), "fp8": select("fp8", "fp8"),
-              f"fp8+{candidates}": select("fp8", "fp8", candidates)}
+              "fp8 unrotated": select("bf16", "fp8"), f"fp8+{candidates}": select("bf16", "fp8", candidates)}
     out = {"keys": num_keys, "queries": queries, "topk": cfg.index_topk}
     for name, idx in chosen.items():
         if name != "bf16":
             overlap = _overlap(chosen["bf16"], idx)
             out[f"{name} vs bf16"] = {"overlap_mean": round(float(overlap.mean()), 4),
                                       "overlap_min": round(float(overlap.min()), 4)}
-    # How deep in FP8's ranking bf16's top-2048 sit: FP8 scores of every visible key (one [queries, keys] block).
-    q, w, k = inputs["fp8"]
+    # How deep in FP8's ranking (unrotated, as fp8+M ranks) bf16's top-2048 sit: FP8 scores of every visible key.
+    q, w, k = inputs["bf16"]
     q8, w8 = quantize_queries(q, w)
     k8, k_scale = quantize_e4m3(k)
     fp8_scores = np.asarray(jax.jit(block_scores, static_argnums=3)(q8, w8, k8.astype(jnp.float32), scale, k_scale))[0]
@@ -164,6 +170,61 @@ def wide(num_keys: int, queries: int = 64, seed: int = 0, candidates: int = 4096
     bf16_top = chosen["bf16"]
     out["deepest FP8 rank of a bf16 top-k key"] = int(max(rank[i, bf16_top[i][bf16_top[i] >= 0]].max()
                                                           for i in range(queries)) + 1)
+    return out
+
+
+def depth(num_keys: int, queries: int = 32, seed: int = 0, chunk: int = 8192) -> dict:
+    """`wide`'s layer at lengths its streaming top-k cannot reach on a CPU (2M keys): the last `queries` queries'
+    bf16 and FP8 scores of every causal key, one chunk of keys at a time, then how far down FP8's ranking bf16's
+    top-2048 reach, and the share of it within FP8's top M. Keys come from the layer's projections in float32
+    rounded to bf16 (as the bf16 model's are, up to the rounding of its float32 accumulation); queries from its bf16
+    projections (`Indexer.project`, unrotated: what `indexer_candidates` quantizes)."""
+    from glm52_jax import config
+    from glm52_jax import positions as rope_lib
+    from glm52_jax.kernels.indexer import quantize_e4m3
+    from glm52_jax.model.indexer import Indexer, block_scores, quantize_queries
+
+    cfg = config.glm52()
+    layer = Indexer(cfg, jnp.bfloat16, rngs=nnx.Rngs(seed))
+    exact = nnx.merge(nnx.graphdef(layer), jax.tree.map(lambda a: a.astype(jnp.float32), nnx.state(layer)))
+    table = rope_lib.rotary_table(cfg.rope, cfg.qk_rope_head_dim)
+    scale, top = cfg.index_head_dim ** -0.5, cfg.index_topk
+    rng = np.random.default_rng(seed + 1)
+
+    def inputs(n):
+        return (jnp.asarray(rng.standard_normal((1, n, cfg.hidden_size), np.float32)),
+                jnp.asarray(rng.standard_normal((1, n, cfg.q_lora_rank), np.float32)))
+
+    def rope(pos):
+        return tuple(t[None] for t in rope_lib.rope_cos_sin(pos, table))
+
+    q_pos = num_keys - queries + jnp.arange(queries, dtype=jnp.int32)
+    x, q_resid = inputs(queries)
+    q, _, w = jax.jit(layer.project)(x.astype(jnp.bfloat16), q_resid.astype(jnp.bfloat16), *rope(q_pos))
+    q8, w8 = quantize_queries(q, w)
+
+    @jax.jit
+    def scores(x, q_resid, pos):  # one chunk of keys -> (bf16 scores, FP8 scores) [queries, chunk], -inf if unseen
+        k = exact.project(x, q_resid, *rope(pos))[1].astype(jnp.bfloat16).astype(jnp.float32)
+        k8, k_scale = quantize_e4m3(k)
+        seen = pos[None, :] <= q_pos[:, None]
+        return tuple(jnp.where(seen, s[0], -jnp.inf) for s in (block_scores(q, w, k, scale),
+                                                                 block_scores(q8, w8, k8.astype(jnp.float32), scale,
+                                                                              k_scale)))
+
+    bf16, fp8 = [], []
+    for start in range(0, num_keys, chunk):
+        b, f = scores(*inputs(chunk), start + jnp.arange(chunk, dtype=jnp.int32))
+        bf16.append(np.asarray(b))
+        fp8.append(np.asarray(f))
+    bf16, fp8 = np.concatenate(bf16, axis=1)[:, :num_keys], np.concatenate(fp8, axis=1)[:, :num_keys]
+    best = np.argpartition(-bf16, top, axis=-1)[:, :top]  # bf16's top-2048 (as a set)
+    order = np.sort(-fp8, axis=-1)
+    rank = np.stack([np.searchsorted(order[i], -fp8[i, best[i]], side="left") + 1 for i in range(queries)])
+    out = {"keys": num_keys, "queries": queries, "topk": top,
+           "deepest FP8 rank of a bf16 top-k key": int(rank.max())}
+    for m in (2048, 3072, 4096):
+        out[f"bf16 top-k within FP8 top {m}"] = round(float((rank <= m).mean()), 5)
     return out
 
 
@@ -237,6 +298,9 @@ def main():
     if "wide" in args.sections:
         out["wide"] = [wide(n, args.queries, candidates=args.candidates) for n in args.keys]
         print(json.dumps({"wide": out["wide"]}), flush=True)
+    if "depth" in args.sections:
+        out["depth"] = [depth(n, args.queries) for n in args.keys]
+        print(json.dumps({"depth": out["depth"]}), flush=True)
     if "parity" in args.sections:
         out["parity"] = parity()
         print(json.dumps({"parity": out["parity"]}), flush=True)

@@ -33,11 +33,12 @@ def get_config():
     # The seed drew 8 samples per exact-2M request and trained on a group of G = 2 of them.
     c.sampling.samples_per_request = 8
     c.search.probe_tokens = 65_536  # the seed's 64K engine probe before the exact-2M requests
-    # The indexer scores in bf16, not FP8 (issue 33): FP8 scoring (e4m3 q / k, per-row scales) changes which keys
-    # are selected where scores nearly tie (benchmarks/indexer_fp8.py: top-32 overlap 0.967 on the tiny policy's
-    # activations, greedy decoding 24 / 32 tokens equal; top-2048 overlap 0.986 / 0.972 / 0.960 at 4K / 16K / 64K
-    # keys on a random GLM-5.2-width indexer, falling with length), so the run would no longer compute the bf16
-    # reference's selection. `--config.model.indexer_dtype=fp8` plans / runs it with FP8 (modeled first candidate:
-    # RESULTS.md).
-    c.model.indexer_dtype = "bf16"
+    # The indexer's O(S x T) scoring runs on FP8 tensor cores (e4m3 q and k, per-row scales; twice bf16's MMA rate),
+    # and selects bf16's top-2048: FP8 keeps each query's best 4,096 keys, those are rescored unquantized (bf16
+    # values, float32 sums) and the top-2048 of them is the selection (`model.indexer`). On a random GLM-5.2-width
+    # indexer bf16's top-2048 ranked at most 2,269 / 2,592 / 2,837 / 3,xxx / 3,xxx in FP8's order at 4K / 16K / 64K /
+    # 256K / 2M keys, so the selection equalled bf16's (overlap 1.0; FP8's own top-2048: 0.962 at 64K);
+    # benchmarks/indexer_fp8.py, RESULTS.md. `--config.model.indexer_dtype=bf16` scores in bf16 throughout.
+    c.model.indexer_dtype = "fp8"
+    c.model.indexer_candidates = 4096
     return c

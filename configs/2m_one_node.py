@@ -44,4 +44,8 @@ def get_config():
     # local experts' weights and launches its own kernels: planned with 2 windows the prefill was 424.6 s central
     # (19.2M launches), with 1 window 367 s (benchmarks/RESULTS.md, session 11).
     c.model.moe_exchange_windows = 1
+    # The indexer scores in bf16 here (configs/2m.py's FP8 scoring with 4,096 rescored candidates is not planned on
+    # this node: it keeps twice the merge's candidates, and the prefill has 1.4 GB of headroom).
+    c.model.indexer_dtype = "bf16"
+    c.model.indexer_candidates = 0
     return c

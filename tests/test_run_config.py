@@ -32,7 +32,8 @@ def test_configs_override_only_what_they_change():
     base, m2, parity = (flatten(config_spec(n).to_dict()) for n in ("tiny", "2m", "32k_parity"))
     changed_2m = sorted(k for k in base if base[k] != m2[k])
     assert changed_2m == ["data.dedupe", "data.prompt_tokens", "mesh", "model.checkpoint", "model.dtype",
-                          "model.gather_weights_min_tokens", "model.moe_receive_capacity", "model.moe_token_block",
+                          "model.gather_weights_min_tokens", "model.indexer_candidates", "model.indexer_dtype",
+                          "model.moe_receive_capacity", "model.moe_token_block",
                           "model.moe_transport", "model.preset",
                           "model.rope_scaling_json", "name", "plan.target",
                           "sampling.chunk_size",
@@ -42,7 +43,8 @@ def test_configs_override_only_what_they_change():
     # The seed's runs plan for the H20 with XLA's GPU compiler (both share glm52_release); tiny runs plan on CPU.
     assert (base["plan.target"], m2["plan.target"], parity["plan.target"]) == ("cpu", "h20", "h20")
     assert (base["sampling.samples_per_request"], base["model.init_adapter"]) == (0, "")
-    assert sorted(k for k in m2 if m2[k] != parity[k]) == ["data.prompt_tokens", "model.rope_scaling_json", "name",
+    assert sorted(k for k in m2 if m2[k] != parity[k]) == ["data.prompt_tokens", "model.indexer_candidates",
+                                                          "model.indexer_dtype", "model.rope_scaling_json", "name",
                                                           "parity.acceptance", "sampling.chunk_size",
                                                           "sampling.prefill_mode",
                                                           "sampling.prefix_cache_mib_per_device",
@@ -55,7 +57,9 @@ def test_one_node_config_is_the_2m_run_on_eight_h200():
     cache, one synchronous EP exchange per pass (NVLink), planned for the H200."""
     m2, one = (flatten(config_spec(n).to_dict()) for n in ("2m", "2m_one_node"))
     assert sorted(k for k in m2 if m2[k] != one[k]) == ["mesh", "model.base_weights", "model.cache_dtype",
+                                                       "model.indexer_candidates", "model.indexer_dtype",
                                                        "model.moe_exchange_windows", "name", "plan.target"]
+    assert (one["model.indexer_dtype"], one["model.indexer_candidates"]) == ("bf16", 0)  # as its plan was made
     assert (m2["model.moe_exchange_windows"], one["model.moe_exchange_windows"]) == (2, 1)
     assert one["sampling.prefill_mode"] == "whole"
     assert (one["mesh"], one["model.base_weights"], one["model.cache_dtype"], one["plan.target"]) == (
@@ -132,6 +136,7 @@ def test_the_spec_and_the_launcher_start_without_jax():
     ("model.gather_weights_min_tokens", -1, "--config.model.gather_weights_min_tokens=-1: must be >= 0"),
     ("model.cache_dtype", "float8", "--config.model.cache_dtype=float8: must be one of auto, float8_e4m3fn"),
     ("model.indexer_dtype", "e4m3", "--config.model.indexer_dtype=e4m3: must be one of bf16, fp8"),
+    ("model.indexer_candidates", -1, "--config.model.indexer_candidates=-1: must be >= 0"),
     ("parity.reference", "shared", "--config.parity.reference=shared: must be one of conventional"),
     ("parity.lora_b_std", 0.0, "--config.parity.lora_b_std=0.0: must be > 0"),
     ("parity.outliers", 0, "--config.parity.outliers=0: must be >= 1"),
@@ -276,17 +281,21 @@ def test_settings_build_the_objects_the_spec_configures():
                                   "model.kernels": "reference", "model.moe_transport": "ragged",
                                   "model.moe_token_block": 256, "model.moe_receive_capacity": 1.5,
                                   "model.gather_weights_min_tokens": 64, "model.cache_dtype": "float8_e4m3fn",
-                                  "model.indexer_dtype": "fp8", "model.moe_exchange_windows": 1})
+                                  "model.indexer_dtype": "fp8", "model.indexer_candidates": 64,
+                                  "model.moe_exchange_windows": 1})
     lora = settings.lora_config(spec.model)
     assert (lora.rank, lora.alpha, lora.families) == (8, 16.0, frozenset({"attention", "unembed"}))
     options = settings.model_options(spec.model)
     assert (str(options.param_dtype), options.kernels, options.moe_transport, options.moe_token_block,
             options.moe_receive_capacity) == ("float32", "reference", "ragged", 256, 1.5)
     assert options.gather_weights_min_tokens == 64 and options.cache_dtype == "float8_e4m3fn"
-    assert options.indexer_dtype == "fp8" and options.moe_exchange_windows == 1
+    assert options.indexer_dtype == "fp8" and options.indexer_candidates == 64 and options.moe_exchange_windows == 1
+    two_m = settings.model_options(config_spec("2m").model)
+    assert (two_m.indexer_dtype, two_m.indexer_candidates) == ("fp8", 4096)  # bf16's top-2048 from FP8 scoring
     assert settings.model_options(config_spec("2m").model).moe_exchange_windows == 2
     assert settings.model_options(config_spec("tiny").model).cache_dtype == "auto"
     assert settings.model_options(config_spec("tiny").model).indexer_dtype == "bf16"
+    assert settings.model_options(config_spec("tiny").model).indexer_candidates == 0
     assert settings.model_options(config_spec("2m").model).gather_weights_min_tokens == 512
     adamw = settings.adamw(spec.train)
     assert (adamw.learning_rate, adamw.max_grad_norm, adamw.weight_decay) == (1e-4, 0.5, 0.0)

@@ -32,7 +32,9 @@ Before FP8 quantization, q and k are rotated by the orthonormal Hadamard matrix 
 128, so one row's scale no longer crushes its other entries to a few e4m3 steps. The rotated keys are what the
 cache holds (bf16 or e4m3), and the rotated values are rounded to the parameter dtype as the unrotated ones were,
 so a whole-sequence call and a chunked one over the cache quantize the same numbers. bf16 scoring never rotates
-(HF's indexer does not; there it would only add rounding).
+(HF's indexer does not; there it would only add rounding), nor does FP8 with rescored candidates (below): rounding
+the rotated values to bf16 perturbs the scores as much as bf16 itself does (benchmarks/indexer_fp8.py: rescoring
+rotated values kept 0.998 of bf16's top-2048 at 64K keys, 1.0 unrotated), and the rescoring must score bf16's values.
 
 FP8 candidates rescored (`candidates` M > 0, `ModelOptions.indexer_candidates`): the FP8 key loop keeps each query's
 best M (> K) keys instead of K, and those M are scored again from the unquantized q, w and keys (a gather of M key

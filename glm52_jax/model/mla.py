@@ -85,9 +85,10 @@ class Attention(nnx.Module):
         k_rope = rope_lib.apply_interleaved_rope(kv[..., cfg.kv_lora_rank:], cos, sin)
         iq = iw = ik = None
         if self.indexer is not None:
-            # FP8 scoring rotates q and k first (Hadamard, as DeepSeek's reference): the cache holds rotated keys.
-            iq, ik, iw = self.indexer.project(x, q_resid, cos, sin,
-                                              rotate=check_indexer_dtype(self.opts.indexer_dtype))
+            # FP8's own selection rotates q and k first (Hadamard, as DeepSeek's reference): the cache holds rotated
+            # keys. Rescored candidates are not rotated: the rescoring then scores bf16's own values (model.indexer).
+            rotate = check_indexer_dtype(self.opts.indexer_dtype) and not self.opts.indexer_candidates
+            iq, ik, iw = self.indexer.project(x, q_resid, cos, sin, rotate=rotate)
         if self.indexer is None and prev_topk is None:
             raise ValueError("a 'shared' indexer layer needs the previous full layer's top-k")
         blocks = dict(query_block=self.opts.indexer_query_block, key_block=self.opts.indexer_key_block,

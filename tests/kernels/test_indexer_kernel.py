@@ -148,8 +148,9 @@ def _rescored_oracle(q, w, k, q_pos, k_pos, kk, m):
 @pytest.mark.parametrize("kernels", ["reference", "pallas"])
 def test_fp8_candidates_rescored_equal_the_oracle(kernels):
     """indexer_dtype="fp8" with `candidates`: the FP8 loop keeps M keys per query and the best K of them by their
-    unquantized scores are selected. With M = 8 over K = 6 (a narrow margin) the selection is the oracle's, for a sequence's keys and a float32 cache stack; with M = 20 (every key)
-    it is bf16 scoring's own selection and scores."""
+    unquantized scores are selected. With M = 8 over K = 6 (a narrow margin) the selection is the oracle's, for a
+    sequence's keys and a float32 cache stack; with M = 20 (every key) it is bf16 scoring's own selection and
+    scores."""
     q, w, k = _inputs(10, b=1, s=12, t=20)
     pos = 8 + jnp.arange(12, dtype=jnp.int32)
     k_pos = jnp.arange(20, dtype=jnp.int32)

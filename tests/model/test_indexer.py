@@ -172,13 +172,14 @@ def test_rotation_keeps_the_scores():
     np.testing.assert_allclose(rotated, plain, rtol=1e-5, atol=1e-5 * float(np.abs(plain).max()))
 
 
-@pytest.mark.parametrize("indexer_dtype", ["bf16", "fp8"])
-def test_fp8_layers_score_and_cache_rotated_keys(indexer_dtype):
+@pytest.mark.parametrize("indexer_dtype,candidates", [("bf16", 0), ("fp8", 0), ("fp8", 40)])
+def test_fp8_layers_score_and_cache_rotated_keys(indexer_dtype, candidates):
     """A bf16 attention layer with `indexer_dtype="fp8"` emits (for its cache) the keys rotated and rounded to bf16,
-    and selects the FP8 top-k of the rotated q and k; with bf16 scoring, the plain keys and their top-k."""
+    and selects the FP8 top-k of the rotated q and k; with bf16 scoring or rescored FP8 candidates, the plain keys
+    and their top-k (bf16's own: here the 40 candidates are every key a query sees past the top-32)."""
     cfg = config.tiny()
     opts = glm52_jax.ModelOptions(param_dtype=jnp.bfloat16, indexer_query_block=16, indexer_key_block=16,
-                                  kernels="reference", indexer_dtype=indexer_dtype)
+                                  kernels="reference", indexer_dtype=indexer_dtype, indexer_candidates=candidates)
     layer = Attention(cfg, True, opts, nnx.Rngs(0))
     seq = 48
     x = jax.random.normal(jax.random.key(1), (1, seq, cfg.hidden_size), jnp.bfloat16)
@@ -186,7 +187,7 @@ def test_fp8_layers_score_and_cache_rotated_keys(indexer_dtype):
     cos, sin = (t[None] for t in positions.rope_cos_sin(pos, positions.rotary_table(cfg.rope, cfg.qk_rope_head_dim)))
     _, topk, (_, _, ik) = layer(x, cos, sin, pos, None)
 
-    fp8 = indexer_dtype == "fp8"
+    fp8 = indexer_dtype == "fp8" and not candidates
     q_resid = layer.q_a_layernorm(project(x, layer.q_a_proj, "bsd,dq->bsq"))
     q, k, w = layer.indexer.project(x, q_resid, cos, sin, rotate=fp8)
     plain_k = layer.indexer.project(x, q_resid, cos, sin)[1]
@@ -196,8 +197,12 @@ def test_fp8_layers_score_and_cache_rotated_keys(indexer_dtype):
         np.testing.assert_array_equal(k, indexer.rotate_rows(plain_k.astype(jnp.bfloat16)).astype(jnp.float32))
         assert not np.allclose(k, plain_k, atol=1e-2)
     want = streaming_topk(q, w, k, pos, pos, cfg.index_topk, scale=cfg.index_head_dim ** -0.5, query_block=16,
-                          key_block=16, indexer_dtype=indexer_dtype)
+                          key_block=16, indexer_dtype=indexer_dtype, candidates=candidates)
     np.testing.assert_array_equal(np.asarray(topk), np.asarray(want))
+    if candidates:  # 48 keys, at most 40 past the top-32 kept: bf16's selection
+        bf16 = streaming_topk(q, w, k, pos, pos, cfg.index_topk, scale=cfg.index_head_dim ** -0.5, query_block=16,
+                              key_block=16)
+        np.testing.assert_array_equal(np.asarray(topk), np.asarray(bf16))
 
 
 def test_fp8_scoring_needs_a_power_of_2_head_dim():
