@@ -33,12 +33,13 @@ def get_config():
     # The seed drew 8 samples per exact-2M request and trained on a group of G = 2 of them.
     c.sampling.samples_per_request = 8
     c.search.probe_tokens = 65_536  # the seed's 64K engine probe before the exact-2M requests
-    # The indexer's O(S x T) scoring runs on FP8 tensor cores (e4m3 q and k, per-row scales; twice bf16's MMA rate),
-    # and selects bf16's top-2048: FP8 keeps each query's best 4,096 keys, those are rescored unquantized (bf16
+    # The indexer's O(S x T) scoring runs on FP8 tensor cores (e4m3 q and k, per-row scales; twice bf16's MMA rate)
+    # and still selects bf16's top-2048: FP8 keeps each query's best 4,096 keys, those are rescored unquantized (bf16
     # values, float32 sums) and the top-2048 of them is the selection (`model.indexer`). On a random GLM-5.2-width
-    # indexer bf16's top-2048 ranked at most 2,269 / 2,592 / 2,837 / 3,xxx / 3,xxx in FP8's order at 4K / 16K / 64K /
-    # 256K / 2M keys, so the selection equalled bf16's (overlap 1.0; FP8's own top-2048: 0.962 at 64K);
-    # benchmarks/indexer_fp8.py, RESULTS.md. `--config.model.indexer_dtype=bf16` scores in bf16 throughout.
+    # indexer bf16's top-2048 reached at most rank 2,837 / 3,524 of FP8's order at 64K / 2M keys (FP8's own top-2048
+    # kept 0.962 / 0.942 of it); selection overlap with bf16 1.0 at 4K-64K keys, and on the tiny policy 1.0 with
+    # greedy tokens unchanged (benchmarks/indexer_fp8.py, RESULTS.md). Modeled first candidate 277.6 s central, 337.6
+    # with `--config.model.indexer_dtype=bf16` (bf16 scoring throughout).
     c.model.indexer_dtype = "fp8"
     c.model.indexer_candidates = 4096
     return c
