@@ -78,11 +78,13 @@ def _row(name: str, shape: dict, seconds: float, flops: float | None, peak_tflop
     return row
 
 
-def _topk_fn(kernels: str, topk: int, score_dtype, d: Dims, query_block: int = 128, key_block: int = 512):
+def _topk_fn(kernels: str, topk: int, score_dtype, d: Dims, query_block: int = 128, key_block: int = 512,
+             indexer_dtype: str = "bf16", candidates: int = 0):
     def fn(q, w, k):
         pos = jnp.arange(q.shape[1], dtype=jnp.int32)
         return streaming_topk(q, w, k, pos, pos, topk, scale=d.dim ** -0.5, query_block=query_block,
-                              key_block=key_block, kernels=kernels, score_dtype=score_dtype)
+                              key_block=key_block, kernels=kernels, score_dtype=score_dtype,
+                              indexer_dtype=indexer_dtype, candidates=candidates)
     return jax.jit(fn)
 
 
@@ -144,15 +146,24 @@ def _decode(q, w, cache, *, kernels: str, d: Dims):
 
 
 def topk(seqs=(8192,), peak_tflops: float | None = None, reference_up_to: int = 16384, d: Dims = GLM) -> list[dict]:
-    """Causal top-k over a whole sequence (one device's queries = keys): kernel path vs reference."""
+    """Causal top-k over a whole sequence (one device's queries = keys): kernel path vs reference, and the kernel
+    path with FP8 scoring: its own top-k ("pallas_fp8") and 2 x K candidates rescored ("pallas_fp8c", what
+    configs/2m.py runs), with the fraction of bf16's selection each keeps (the rescored one should keep it all)."""
     rows = []
     for seq in seqs:
         q, w, k = _inputs(2, 1, seq, seq, d)
         flops = 2.0 * d.heads * d.dim * _causal_pairs(seq, seq)
-        impls = [("pallas", jnp.bfloat16)] + ([("reference", None)] if seq <= reference_up_to else [])
-        for name, dtype in impls:
-            seconds = _time(_topk_fn(name, d.topk, dtype, d), q, w, k, reps=2)
-            rows.append(_row(f"topk_{name}", {"seq": seq, "topk": d.topk}, seconds, flops, peak_tflops))
+        impls = [("pallas", jnp.bfloat16, "bf16", 0), ("pallas_fp8", jnp.bfloat16, "fp8", 0),
+                 ("pallas_fp8c", jnp.bfloat16, "fp8", 2 * d.topk)]
+        impls += [("reference", None, "bf16", 0)] if seq <= reference_up_to else []
+        selected = {}
+        for name, dtype, indexer_dtype, candidates in impls:
+            fn = _topk_fn(name.split("_")[0], d.topk, dtype, d, indexer_dtype=indexer_dtype, candidates=candidates)
+            seconds = _time(fn, q, w, k, reps=2)
+            selected[name] = np.asarray(fn(q, w, k))
+            extra = {} if name == "pallas" else {"overlap_with_bf16": round(_overlap(selected["pallas"],
+                                                                                     selected[name]), 6)}
+            rows.append(_row(f"topk_{name}", {"seq": seq, "topk": d.topk}, seconds, flops, peak_tflops, **extra))
     return rows
 
 
