@@ -153,7 +153,8 @@ class GlmMoeDsa(nnx.Module):
     def __init__(self, cfg: ModelConfig, opts: ModelOptions | None = None, *, rngs: nnx.Rngs):
         opts = opts or ModelOptions()
         dt = opts.param_dtype
-        if opts.indexer_dtype == "fp8" and cfg.index_head_dim & (cfg.index_head_dim - 1):
+        rotated = opts.indexer_dtype == "fp8" and not opts.indexer_candidates  # `mla.Attention`'s rule
+        if rotated and cfg.index_head_dim & (cfg.index_head_dim - 1):
             raise ValueError(f"indexer_dtype='fp8' rotates the indexer's q and k by a Hadamard matrix, which needs "
                              f"index_head_dim a power of 2 (got {cfg.index_head_dim}); use indexer_dtype='bf16'")
         if opts.indexer_dtype == "fp8" and 0 < opts.indexer_candidates <= cfg.index_topk:

@@ -97,6 +97,19 @@ def model_config(model: ModelSpec, *, preset_without_checkpoint: bool = False):
     return cfg, scaling, scaling_source, source
 
 
+def check_indexer(model_cfg, model: ModelSpec) -> None:
+    """FP8 scoring's settings against the architecture (what `GlmMoeDsa` would refuse once built)."""
+    if model.indexer_dtype != "fp8":
+        return
+    if 0 < model.indexer_candidates <= model_cfg.index_topk:
+        raise ConfigError(f"--config.model.indexer_candidates={model.indexer_candidates} rescores nothing: it must "
+                          f"exceed the model's index_topk ({model_cfg.index_topk}), or be 0 for FP8's own top-k")
+    if not model.indexer_candidates and model_cfg.index_head_dim & (model_cfg.index_head_dim - 1):
+        raise ConfigError(f"--config.model.indexer_dtype=fp8 rotates the indexer's q and k by a Hadamard matrix, which "
+                          f"needs index_head_dim a power of 2 (the model's: {model_cfg.index_head_dim}); "
+                          "use --config.model.indexer_dtype=bf16")
+
+
 def check_capacity(model_cfg, spec: RunSpec, scaling_source: str) -> None:
     """Prompt + new tokens must fit the positions the model (with its rope scaling) has."""
     limit = model_cfg.max_position_embeddings
@@ -260,6 +273,7 @@ def resolve(spec: RunSpec, *, data: bool = True) -> RunInputs:
 
     model_cfg, scaling, scaling_source, _ = model_config(spec.model)
     check_capacity(model_cfg, spec, scaling_source)
+    check_indexer(model_cfg, spec.model)
     check_weights(spec.model)
     if not data:
         return RunInputs(spec, model_cfg, scaling, None, [], [])

@@ -555,6 +555,9 @@ def test_2m_config_is_the_seeds_run(monkeypatch):
     assert spec.mesh_spec().describe() == "DP1/TP1/CP32/EP32/PP1"
     with pytest.raises(ConfigError, match="position capacity"):  # one more token than the payload allows
         resolve(spec.replace(**{"data.prompt_tokens": 2_097_153}))
+    assert (spec.model.indexer_dtype, spec.model.indexer_candidates) == ("fp8", 4096)
+    with pytest.raises(ConfigError, match=r"indexer_candidates=2048 rescores nothing: .* index_topk \(2048\)"):
+        resolve(spec.replace(**{"model.indexer_candidates": 2048}), data=False)  # before any model is built
 
 
 def test_train_mode_refuses_a_mesh_larger_than_the_devices(tmp_path):
