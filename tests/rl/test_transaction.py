@@ -34,6 +34,21 @@ def _spec(**overrides):
     return config_spec("tiny", **overrides)
 
 
+def _fresh_policy(spec):
+    """The embedded policy as a fresh run samples step 1 with: built, then its adapters, optimizer state and key
+    placed as `run_online` places them (`place_as_restored`), so the sampler's programs are the run's (the `inproc`
+    fixture's, found in the persistent compilation cache) instead of programs lowered for uncommitted arrays."""
+    import jax
+
+    from glm52_jax.checkpoint.train_state import place_as_restored
+    from glm52_jax.rl.policy import build_policy
+
+    inputs = resolve(spec)
+    model, optimizer = build_policy(spec, inputs)
+    place_as_restored(model, optimizer, jax.random.key(spec.seed))
+    return inputs, model
+
+
 def _argv(command: list[str], workdir: Path) -> list[str]:
     """A README command with /tmp/run moved to `workdir`, run by this interpreter."""
     args = [a.replace("/tmp/run", str(workdir)) for a in command]
@@ -758,14 +773,12 @@ def test_engine_probe_request_on_the_embedded_policy(inproc, tmp_path):
     candidate 0 samples exactly. Its receipt sections: "probe" deterministic, "probe_timing" not."""
     from glm52_jax.evidence import EvidenceWriter
     from glm52_jax.rl import decode_audit, settings
-    from glm52_jax.rl.policy import build_policy
     from glm52_jax.rl.samples import jsonl_bytes
     from glm52_jax.rl.search import engine_probe
     from glm52_jax.rl.transaction import receipt_fields
 
     spec = _spec(**{"train.steps": 2})
-    inputs = resolve(spec)
-    model, _ = build_policy(spec, inputs)
+    inputs, model = _fresh_policy(spec)
     sampler = settings.sampler(spec.sampling, model)
     art = _receipt(inproc[0], 1).parent / "artifacts"
     seed = json.loads((art / "sampling_params.json").read_text())["seeds"][0]
@@ -804,15 +817,13 @@ def test_samples_per_request_draws_more_and_trains_on_the_chosen_group(inproc):
     old log-probs."""
     from glm52_jax.rl import settings
     from glm52_jax.rl.group import choose_group
-    from glm52_jax.rl.policy import build_policy
     from glm52_jax.rl.search import response_batch, search_group
 
     art = _receipt(inproc[0], 1).parent / "artifacts"
     step1 = [json.loads(line) for line in (art / "samples.jsonl").read_text().splitlines()]
     seeds = json.loads((art / "sampling_params.json").read_text())["seeds"]
     spec = _spec(**{"sampling.samples_per_request": 4, "search.max_candidates": len(seeds)})
-    inputs = resolve(spec)
-    model, _ = build_policy(spec, inputs)
+    inputs, model = _fresh_policy(spec)
     records: list[dict] = []
     candidates, accepted = search_group(inputs, spec.data.first_row, seeds, settings.sampler(spec.sampling, model),
                                         step=1, event=lambda *a, **k: None, log=lambda msg: None, samples=records)
