@@ -26,5 +26,6 @@ if [ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]; then
   export JAX_COMPILATION_CACHE_DIR
   trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
 fi
+# --no-loadscope-reorder: files go out in collection order (tests/conftest.py's LONGEST_FIRST), not most tests first.
 .venv/bin/python -X faulthandler -m pytest -q -p no:cacheprovider --durations=25 \
-  -n "${GLM52_TEST_WORKERS:-2}" --dist loadfile "$@"
+  -n "${GLM52_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

@@ -68,10 +68,16 @@ def _bounded_compiled_programs():
         gc.collect()  # executables owned by objects in reference cycles
 
 
-# The longest files first (whole files go to one xdist worker each, in collection order): started last, a
-# several-minute file would run alone at the end while the other worker idles.
-LONGEST_FIRST = ("tests/rl/test_rehearsal.py", "tests/rl/test_parity.py", "tests/rl/test_transaction.py",
-                 "tests/rl/test_gradients.py", "tests/kernels/test_aot_sparse_mla.py", "tests/kernels/test_aot.py")
+# The longest files first (whole files go to one xdist worker each, in collection order: scripts/test.sh passes
+# --no-loadscope-reorder, without which xdist sends files with the most tests first and this order is lost): started
+# last, a several-minute file would run alone at the end while the other worker idles. By their CI seconds (the
+# 2-process rehearsal ~250 s; the others 35-170 s), so that the last files to start are the short ones.
+LONGEST_FIRST = ("tests/rl/test_rehearsal.py", "tests/rl/test_transaction.py", "tests/parallel/test_sharded_rl.py",
+                 "tests/rl/test_parity.py", "tests/plan/test_plan.py", "tests/rollout/test_sampler.py",
+                 "tests/rl/test_gradients.py", "tests/kernels/test_indexer_kernel.py",
+                 "tests/model/test_expert_parallel.py", "tests/model/test_cache_fp8.py", "tests/test_parity_hf.py",
+                 "tests/kernels/test_sparse_mla_kernel.py", "tests/model/test_context_parallel.py",
+                 "tests/model/test_lora.py", "tests/checkpoint/test_hf.py", "tests/kernels/test_aot.py")
 
 
 def pytest_collection_modifyitems(config, items):
