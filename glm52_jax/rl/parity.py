@@ -122,12 +122,17 @@ def _parity(inputs, model, optimizer, writer, artifacts: Path, mesh_spec, log) -
     from flax import nnx
 
     from glm52_jax.checkpoint.inventory import state_digest
+    from glm52_jax.checkpoint.train_state import place_as_restored
     from glm52_jax.parallel.placement import to_host
     from glm52_jax.rl.gradients import cached_response_logprobs_jit, lora_gradients, prefix_for_response
 
     spec = inputs.spec
     modes, bounds = spec.parity.modes, spec.parity.bounds()
     policy = _policy_state(spec, model)
+    # Placed as a fresh train run places its policy (the values stay): the sampler and digest programs are then the
+    # train run's, found in a persistent compilation cache the two modes share (not lowered anew for uncommitted
+    # arrays).
+    place_as_restored(model, optimizer, jax.random.key(spec.seed))
     before = _state_hashes(model, optimizer)
     sampler = settings.sampler(spec.sampling, model)
     seeds = candidate_seeds(jax.random.split(jax.random.key(spec.seed))[1], spec.search.max_candidates)
