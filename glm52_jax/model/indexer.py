@@ -163,6 +163,23 @@ def check_indexer_dtype(indexer_dtype: str) -> bool:
     return indexer_dtype == "fp8"
 
 
+def rotates(indexer_dtype: str, candidates: int) -> bool:
+    """Whether the indexer's q and k are Hadamard-rotated (`Indexer.project(rotate=...)`): FP8's own selection only,
+    not bf16 scoring nor rescored FP8 candidates (module docstring)."""
+    return check_indexer_dtype(indexer_dtype) and not candidates
+
+
+def fp8_settings_problem(index_head_dim: int, index_topk: int, indexer_dtype: str, candidates: int) -> str | None:
+    """What keeps FP8 scoring's settings from running on an architecture (one line naming the fix), or None."""
+    if check_indexer_dtype(indexer_dtype) and 0 < candidates <= index_topk:
+        return (f"indexer_candidates={candidates} rescores nothing: it must exceed the model's index_topk "
+                f"({index_topk}), or be 0 for FP8's own top-k")
+    if rotates(indexer_dtype, candidates) and index_head_dim & (index_head_dim - 1):
+        return (f"indexer_dtype=fp8 rotates the indexer's q and k by a Hadamard matrix, which needs index_head_dim a "
+                f"power of 2 (the model's: {index_head_dim}); use indexer_dtype=bf16")
+    return None
+
+
 def quantize_queries(q: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
     """FP8 scoring's queries: `q [B,S,H,I], w [B,S,H] -> (e4m3 values of q held in float32 [B,S,H,I], w x the
     per-(token, head) scales [B,S,H])` (module docstring: a positive scale moves through relu into w)."""

@@ -18,7 +18,7 @@ from glm52_jax import positions as rope_lib
 from glm52_jax.config import ModelConfig
 from glm52_jax.model import context_parallel as context
 from glm52_jax.model import shared_cache
-from glm52_jax.model.indexer import Indexer, cached_topk, check_indexer_dtype, merge_topk, streaming_topk
+from glm52_jax.model.indexer import Indexer, cached_topk, merge_topk, rotates, streaming_topk
 from glm52_jax.model.kv_cache import LayerCacheView
 from glm52_jax.model.layers import RMSNorm, param, project
 from glm52_jax.model.lora import KVBAdapter, adapter, targets
@@ -87,8 +87,8 @@ class Attention(nnx.Module):
         if self.indexer is not None:
             # FP8's own selection rotates q and k first (Hadamard, as DeepSeek's reference): the cache holds rotated
             # keys. Rescored candidates are not rotated: the rescoring then scores bf16's own values (model.indexer).
-            rotate = check_indexer_dtype(self.opts.indexer_dtype) and not self.opts.indexer_candidates
-            iq, ik, iw = self.indexer.project(x, q_resid, cos, sin, rotate=rotate)
+            iq, ik, iw = self.indexer.project(x, q_resid, cos, sin,
+                                              rotate=rotates(self.opts.indexer_dtype, self.opts.indexer_candidates))
         if self.indexer is None and prev_topk is None:
             raise ValueError("a 'shared' indexer layer needs the previous full layer's top-k")
         blocks = dict(query_block=self.opts.indexer_query_block, key_block=self.opts.indexer_key_block,

@@ -50,8 +50,8 @@ class ModelOptions:
     `indexer_dtype`: what the DSA indexer scores in (`model.indexer`): "bf16" (default: q and k as values of the
     parameter dtype, float32 in a float32 parity model) or "fp8" (q per (token, head) and k per row quantized to e4m3
     with one float32 scale each after a Hadamard rotation, FP8 MMA in the Pallas kernel; an FP8 cache's keys are read
-    as stored). Selection
-    only: attention and every gradient are unchanged, but the top-k may differ from bf16's where scores nearly tie.
+    as stored). Selection only: attention and every gradient are unchanged, but the top-k may differ from bf16's
+    where scores nearly tie.
     `indexer_candidates`: with "fp8", M > 0 (more than the config's index_topk) keeps FP8's best M keys per query
     and selects the top-k of them rescored unquantized, bf16 scoring's selection wherever bf16's top-k ranks within
     FP8's top M (`model.indexer`; q and k are then not rotated); 0 (default): FP8's own top-k. Ignored with "bf16".

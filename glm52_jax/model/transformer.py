@@ -23,6 +23,7 @@ from glm52_jax import positions as rope_lib
 from glm52_jax.config import ModelConfig
 from glm52_jax.model import cache_fp8
 from glm52_jax.model import context_parallel as context
+from glm52_jax.model.indexer import fp8_settings_problem
 from glm52_jax.model.kv_cache import KVCache, cache_from_entries, init_cache
 from glm52_jax.model.layers import RMSNorm, gather_params, gathered, gathered_value, kept_split, param
 from glm52_jax.model.lora import adapter
@@ -153,13 +154,9 @@ class GlmMoeDsa(nnx.Module):
     def __init__(self, cfg: ModelConfig, opts: ModelOptions | None = None, *, rngs: nnx.Rngs):
         opts = opts or ModelOptions()
         dt = opts.param_dtype
-        rotated = opts.indexer_dtype == "fp8" and not opts.indexer_candidates  # `mla.Attention`'s rule
-        if rotated and cfg.index_head_dim & (cfg.index_head_dim - 1):
-            raise ValueError(f"indexer_dtype='fp8' rotates the indexer's q and k by a Hadamard matrix, which needs "
-                             f"index_head_dim a power of 2 (got {cfg.index_head_dim}); use indexer_dtype='bf16'")
-        if opts.indexer_dtype == "fp8" and 0 < opts.indexer_candidates <= cfg.index_topk:
-            raise ValueError(f"indexer_candidates={opts.indexer_candidates} rescores nothing: it must exceed "
-                             f"index_topk={cfg.index_topk} (or be 0 for FP8's own top-k)")
+        problem = fp8_settings_problem(cfg.index_head_dim, cfg.index_topk, opts.indexer_dtype, opts.indexer_candidates)
+        if problem:
+            raise ValueError(problem)
         self.cfg = cfg
         self.opts = opts
         self.segments_plan = tuple(plan_segments(layer_kinds(cfg)))

@@ -98,16 +98,13 @@ def model_config(model: ModelSpec, *, preset_without_checkpoint: bool = False):
 
 
 def check_indexer(model_cfg, model: ModelSpec) -> None:
-    """FP8 scoring's settings against the architecture (what `GlmMoeDsa` would refuse once built)."""
-    if model.indexer_dtype != "fp8":
-        return
-    if 0 < model.indexer_candidates <= model_cfg.index_topk:
-        raise ConfigError(f"--config.model.indexer_candidates={model.indexer_candidates} rescores nothing: it must "
-                          f"exceed the model's index_topk ({model_cfg.index_topk}), or be 0 for FP8's own top-k")
-    if not model.indexer_candidates and model_cfg.index_head_dim & (model_cfg.index_head_dim - 1):
-        raise ConfigError(f"--config.model.indexer_dtype=fp8 rotates the indexer's q and k by a Hadamard matrix, which "
-                          f"needs index_head_dim a power of 2 (the model's: {model_cfg.index_head_dim}); "
-                          "use --config.model.indexer_dtype=bf16")
+    """FP8 scoring's settings against the architecture: what `GlmMoeDsa` would refuse once built, before that."""
+    from glm52_jax.model.indexer import fp8_settings_problem
+
+    problem = fp8_settings_problem(model_cfg.index_head_dim, model_cfg.index_topk, model.indexer_dtype,
+                                   model.indexer_candidates)
+    if problem:
+        raise ConfigError(f"--config.model.{problem}")
 
 
 def check_capacity(model_cfg, spec: RunSpec, scaling_source: str) -> None:
