@@ -40,6 +40,15 @@ def get_config():
     # kept 0.962 / 0.942 of it); selection overlap with bf16 1.0 at 4K-64K keys, and on the tiny policy 1.0 with
     # greedy tokens unchanged (benchmarks/indexer_fp8.py, RESULTS.md). Modeled first candidate 277.6 s central, 337.6
     # with `--config.model.indexer_dtype=bf16` (bf16 scoring throughout).
+    # The MoE exchange in two stages (4 hosts x 8 GPUs): each token crosses the network once per host that holds one
+    # of its experts, not once per expert, and reaches the expert's GPU over NVLink; the partial sums come back the
+    # same way. Planned (prefill, whole prompt): network bytes of the all-to-alls 1,465 -> 379 GB per device,
+    # all-to-all 55.7 -> 23.9 s, prefill 274 -> 248 s central (benchmarks/RESULTS.md).
+    c.model.moe_node_devices = 8
+    # ... with 1,024 tokens per device per exchange round (glm52_release's 256 sized the one-stage exchange's
+    # buffers): a quarter of the rounds' launches and latencies (prefill 248 -> 238 s central, memory unchanged), and
+    # each destination's chunk averages 512 pairs, so capacity 2 is exceeded (a second pass) less often than at 256.
+    c.model.moe_token_block = 1024
     c.model.indexer_dtype = "fp8"
     c.model.indexer_candidates = 4096
     return c

@@ -44,6 +44,7 @@ def get_config():
     # local experts' weights and launches its own kernels: planned with 2 windows the prefill was 424.6 s central
     # (19.2M launches), with 1 window 367 s (benchmarks/RESULTS.md, session 11).
     c.model.moe_exchange_windows = 1
+    c.model.moe_node_devices = 0  # one node: the one-stage exchange, all of it over NVLink
     # The indexer scores in bf16 here. configs/2m.py's FP8 scoring with 4,096 rescored candidates, planned for this
     # node's prefill, fits (134.25 GB) but gains only 367 -> 360.6 s central: at 262,144 queries per device the wider
     # merge and the rescoring's row gathers cost most of what FP8 saves (benchmarks/RESULTS.md, session 14).

@@ -181,6 +181,7 @@ class ModelSpec(_Section):
     moe_receive_capacity: float = _rules(lambda v: None if (v == 0 or v >= 1) and math.isfinite(v)
                                          else "must be 0 (the worst case) or >= 1")
     moe_exchange_windows: int = _rules(at_least(1))
+    moe_node_devices: int = _rules(at_least(0, "0 = one exchange over the expert axis"))
     lora_rank: int = _rules(at_least(1))
     lora_alpha: float = _rules(number(0.0))
     lora_families: tuple[str, ...] = _rules(subset_of(choices.LORA_FAMILIES))
@@ -382,7 +383,15 @@ class RunSpec:
                 raise ConfigError(f"config key {name} must be a group of settings, got {values[name]!r}")
             sections[name] = kind.from_mapping(values[name], name + ".")
         spec = cls(**top, **sections)
-        spec.mesh_spec()  # a malformed mesh fails here
+        mesh = spec.mesh_spec()  # a malformed mesh fails here
+        if nodes := spec.model.moe_node_devices:
+            experts = mesh.context if mesh.folded else mesh.expert
+            _check(spec.model.moe_transport == "dense", "model.moe_node_devices", nodes,
+                   f"needs --config.model.moe_transport=dense, not {spec.model.moe_transport!r} (the exchange within "
+                   "a node is the fixed-capacity one); 0 = one exchange over the expert axis")
+            _check(nodes >= experts or experts % nodes == 0, "model.moe_node_devices", nodes,
+                   f"must divide the expert axis ({experts} devices in --config.mesh={spec.mesh!r}) or be at least "
+                   "its size (one node); 0 = one exchange")
         probe, prompt = spec.search.probe_tokens, spec.data.prompt_tokens
         _check(probe < prompt, "search.probe_tokens", probe, f"must be 0 (off) or shorter than "
                f"--config.data.prompt_tokens={prompt} (the probe is a short request before the long ones)")

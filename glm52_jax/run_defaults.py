@@ -52,6 +52,9 @@ def get_config() -> ml_collections.ConfigDict:
     # compute (pays where the exchange is slow: across hosts); 1 = one synchronous exchange per pass (each window
     # re-reads the local experts' weights and launches its own kernels: cheaper where the exchange is fast).
     c.model.moe_exchange_windows = 2
+    # Devices of the expert axis that share a node (consecutive on the axis; the dense transport): > 0 sends each
+    # token across the network once per node it has experts on, then to its experts over NVLink; 0 = one exchange.
+    c.model.moe_node_devices = 0
     # How XLA:GPU runs that exchange when it spans hosts (parallel/xla_options.py): "xla" = its multi-host
     # decomposer (supported; all-gathers each round's send rows across hosts: 4x the bytes on 4 hosts), "nccl" =
     # one ragged all-to-all of the exact rows by NCCL send/recv (XLA's fallback; unverified on hardware here).

@@ -33,7 +33,7 @@ def test_configs_override_only_what_they_change():
     changed_2m = sorted(k for k in base if base[k] != m2[k])
     assert changed_2m == ["data.dedupe", "data.prompt_tokens", "mesh", "model.checkpoint", "model.dtype",
                           "model.gather_weights_min_tokens", "model.indexer_candidates", "model.indexer_dtype",
-                          "model.moe_receive_capacity", "model.moe_token_block",
+                          "model.moe_node_devices", "model.moe_receive_capacity",
                           "model.moe_transport", "model.preset",
                           "model.rope_scaling_json", "name", "plan.target",
                           "sampling.chunk_size",
@@ -43,8 +43,10 @@ def test_configs_override_only_what_they_change():
     # The seed's runs plan for the H20 with XLA's GPU compiler (both share glm52_release); tiny runs plan on CPU.
     assert (base["plan.target"], m2["plan.target"], parity["plan.target"]) == ("cpu", "h20", "h20")
     assert (base["sampling.samples_per_request"], base["model.init_adapter"]) == (0, "")
+    # Parity keeps the one-stage MoE exchange of 256-token rounds (its plan was made so).
     assert sorted(k for k in m2 if m2[k] != parity[k]) == ["data.prompt_tokens", "model.indexer_candidates",
-                                                          "model.indexer_dtype", "model.rope_scaling_json", "name",
+                                                          "model.indexer_dtype", "model.moe_node_devices",
+                                                          "model.moe_token_block", "model.rope_scaling_json", "name",
                                                           "parity.acceptance", "sampling.chunk_size",
                                                           "sampling.prefill_mode",
                                                           "sampling.prefix_cache_mib_per_device",
@@ -58,9 +60,11 @@ def test_one_node_config_is_the_2m_run_on_eight_h200():
     m2, one = (flatten(config_spec(n).to_dict()) for n in ("2m", "2m_one_node"))
     assert sorted(k for k in m2 if m2[k] != one[k]) == ["mesh", "model.base_weights", "model.cache_dtype",
                                                        "model.indexer_candidates", "model.indexer_dtype",
-                                                       "model.moe_exchange_windows", "name", "plan.target"]
+                                                       "model.moe_exchange_windows", "model.moe_node_devices", "name",
+                                                       "plan.target"]
     assert (one["model.indexer_dtype"], one["model.indexer_candidates"]) == ("bf16", 0)  # as its plan was made
     assert (m2["model.moe_exchange_windows"], one["model.moe_exchange_windows"]) == (2, 1)
+    assert (m2["model.moe_node_devices"], one["model.moe_node_devices"]) == (8, 0)  # 4 hosts x 8 / one node
     assert one["sampling.prefill_mode"] == "whole"
     assert (one["mesh"], one["model.base_weights"], one["model.cache_dtype"], one["plan.target"]) == (
         "folded=8", "fp8", "float8_e4m3fn", "h200")
@@ -133,6 +137,8 @@ def test_the_spec_and_the_launcher_start_without_jax():
     ("model.moe_token_block", 0, "--config.model.moe_token_block=0: must be >= 1"),
     ("model.moe_receive_capacity", 0.5, "--config.model.moe_receive_capacity=0.5: must be 0 (the worst case) or >= 1"),
     ("model.moe_exchange_windows", 0, "--config.model.moe_exchange_windows=0: must be >= 1"),
+    ("model.moe_node_devices", -1, "--config.model.moe_node_devices=-1: must be >= 0 (0 = one exchange over the "
+                                   "expert axis)"),
     ("model.gather_weights_min_tokens", -1, "--config.model.gather_weights_min_tokens=-1: must be >= 0"),
     ("model.cache_dtype", "float8", "--config.model.cache_dtype=float8: must be one of auto, float8_e4m3fn"),
     ("model.indexer_dtype", "e4m3", "--config.model.indexer_dtype=e4m3: must be one of bf16, fp8"),
@@ -175,6 +181,22 @@ def test_bad_values_name_their_flag(key, value, message):
         config_spec("tiny", **{key: value})
     assert str(info.value).startswith(message) or message in str(info.value), str(info.value)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"mesh": "folded=8", "model.moe_node_devices": 3},
+     "--config.model.moe_node_devices=3: must divide the expert axis (8 devices in --config.mesh='folded=8') or be "
+     "at least its size (one node); 0 = one exchange"),
+    ({"mesh": "folded=8", "model.moe_node_devices": 4, "model.moe_transport": "ragged"},
+     "--config.model.moe_node_devices=4: needs --config.model.moe_transport=dense, not 'ragged'"),
+])
+def test_node_devices_against_the_mesh_and_transport(overrides, message):
+    """The two-stage MoE exchange's node size fits the expert axis and its transport, checked with the config."""
+    with pytest.raises(ConfigError) as info:
+        config_spec("tiny", **{"model.moe_transport": "dense", **overrides})
+    assert str(info.value).startswith(message) and "\n" not in str(info.value), str(info.value)
+    # A node at least the axis (a one-device override of a multi-host config) is one stage, not an error.
+    assert config_spec("2m", mesh="context=2,expert=2").model.moe_node_devices == 8
 
 
 def test_reward_and_checkpoint_keys():
@@ -290,6 +312,8 @@ def test_settings_build_the_objects_the_spec_configures():
             options.moe_receive_capacity) == ("float32", "reference", "ragged", 256, 1.5)
     assert options.gather_weights_min_tokens == 64 and options.cache_dtype == "float8_e4m3fn"
     assert options.indexer_dtype == "fp8" and options.indexer_candidates == 64 and options.moe_exchange_windows == 1
+    nodes = config_spec("tiny", **{"mesh": "folded=8", "model.moe_transport": "dense", "model.moe_node_devices": 4})
+    assert settings.model_options(nodes.model).moe_node_devices == 4 and options.moe_node_devices == 0
     two_m = settings.model_options(config_spec("2m").model)
     assert (two_m.indexer_dtype, two_m.indexer_candidates) == ("fp8", 4096)  # bf16's top-2048 from FP8 scoring
     assert settings.model_options(config_spec("2m").model).moe_exchange_windows == 2

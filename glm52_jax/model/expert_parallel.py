@@ -86,6 +86,9 @@ from glm52_jax.parallel.rules import logical_to_spec
 # A bounded exchange keeps at least this many rows per destination (a few tokens' rounds, e.g. a decode step's
 # 8 pairs per device, stay one pass: below this the exchange is all latency, and a second pass doubles it).
 MIN_CHUNK_ROWS = 16
+# The two-stage exchange's windows keep at least this many of a device's tokens (a decode step's one token per
+# device stays one window).
+MIN_WINDOW_TOKENS = 4
 
 
 def _mesh_axes(spec_entry) -> tuple[str, ...]:
@@ -155,8 +158,14 @@ def _with_scales(lora_ab, scales):
 
 
 def _exchange(one_pass, passes, single: bool, diff, ints):
-    """`one_pass(0, ...)` when a single pass holds every row (`single`, static), else the sum over `passes`."""
-    return one_pass(0, diff, ints) if single else _sum_of_passes(one_pass, passes, diff, ints)
+    """`one_pass(0, ...)` when a single pass holds every row (`single`, static), else the sum over `passes`: pass 0
+    in line (every round runs it) and passes 1.. in a loop (none with balanced routing). In line, the first pass's
+    exchanges sit in the same straight-line program as the work around them, so XLA's scheduler can overlap them
+    with it (it does not move an async collective across a while loop)."""
+    first = one_pass(0, diff, ints)
+    if single:
+        return first
+    return jax.tree.map(jnp.add, first, _sum_of_passes(one_pass, passes, diff, ints, start=1))
 
 
 def _combine(back, weights, order, token_of, tokens: int):
@@ -166,8 +175,8 @@ def _combine(back, weights, order, token_of, tokens: int):
     return jnp.zeros((tokens, back.shape[-1]), jnp.float32).at[token_of].add(y_pairs)
 
 
-def _sum_of_passes(term, count, diff, ints):
-    """`sum(term(p, diff, ints) for p in range(count))` with a data-dependent `count` (int32 scalar, the
+def _sum_of_passes(term, count, diff, ints, start: int = 0):
+    """`sum(term(p, diff, ints) for p in range(start, count))` with a data-dependent `count` (int32 scalar, the
     same on every device), differentiable in `diff`: a `lax.while_loop` forward, and a backward that
     loops the same way over each pass's VJP (recomputing the pass; only the inputs are saved)."""
 
@@ -179,7 +188,7 @@ def _sum_of_passes(term, count, diff, ints):
 
         zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(term, jnp.int32(0), diff, ints))
         with jax.named_scope(PASS_LOOP):
-            return jax.lax.while_loop(lambda c: c[0] < count, body, (jnp.int32(0), zeros))[1]
+            return jax.lax.while_loop(lambda c: c[0] < count, body, (jnp.int32(start), zeros))[1]
 
     def fwd(count, diff, ints):
         return run(count, diff, ints), (count, diff, ints)
@@ -194,7 +203,7 @@ def _sum_of_passes(term, count, diff, ints):
 
         with jax.named_scope(PASS_LOOP):
             grads = jax.lax.while_loop(lambda c: c[0] < count, body,
-                                       (jnp.int32(0), jax.tree.map(jnp.zeros_like, diff)))
+                                       (jnp.int32(start), jax.tree.map(jnp.zeros_like, diff)))
         return None, grads[1], None
 
     run.defvjp(fwd, bwd)
@@ -202,51 +211,140 @@ def _sum_of_passes(term, count, diff, ints):
 
 
 def _dense_body(x, weights, experts, w_gate, w_up, w_down, lora_ab, *, lora_scales, axis, n_dev, kernels,
-                receive_capacity=0.0, exchange_blocks=2):
+                receive_capacity=0.0, exchange_blocks=2, groups=None, live_rows=None):
     """Per-device body of the fixed-size `all_to_all` transport (see the module docstring): chunks of c rows
     per destination, c = L*K (the worst case, one pass) or `ceil(receive_capacity * L*K / N)` (balanced routing
     sends each destination L*K/N rows on average); pass p carries rows [p*c, (p+1)*c) of every (source,
     destination) chunk, as many passes as the fullest chunk on any device needs (`_sum_of_passes`). A pass
     exchanges its chunk in `exchange_blocks` windows of h = c/blocks rows (`_blocks`), software-pipelined; window b
-    takes every blocks-th slot from b, so a chunk that fills only part of the pass splits evenly over the windows."""
+    takes every blocks-th slot from b, so a chunk that fills only part of the pass splits evenly over the windows.
+
+    groups: the exchange runs within these groups of N devices each (`axis_index_groups`; None: the whole axis, N
+    its size). A pair whose expert id is N*El or more goes nowhere and adds nothing (the node exchange's pairs of
+    other nodes). live_rows: the pairs that go somewhere on average (default L*K), what `receive_capacity` scales."""
     tokens, k = experts.shape
     n_local = w_gate.shape[0]
     rows = tokens * k
-    cap = rows if receive_capacity == 0 else min(rows, max(MIN_CHUNK_ROWS, math.ceil(receive_capacity * rows / n_dev)))
+    live = rows if live_rows is None else live_rows
+    cap = rows if receive_capacity == 0 else min(rows, max(MIN_CHUNK_ROWS, math.ceil(receive_capacity * live / n_dev)))
     blocks = _blocks(cap, exchange_blocks, MIN_CHUNK_ROWS)
     h = -(-cap // blocks)  # rows per destination of one window
     span = blocks * h  # slots of each chunk one pass carries (>= cap)
     order, dest, slot, counts, _, local = _dispatch_plan(experts, n_local, n_dev)
     token_of = order // k
 
-    def dispatch(p, b, xs, ints):
-        """Window b of pass p out to the experts' owners -> (received rows [N*h,D], their local ids [N*h], window)."""
-        dest, slot, local = ints
-        # Row j of window b's chunk for d is slot p*span + j*blocks + b; rows outside the window go to the
-        # out-of-range row `h` (dropped). Unused rows keep the padding id El. all_to_all: chunk n of the sender's
-        # axis 0 goes to device n; the receiver stacks the chunks by source, so recv[s] is what device s sent here.
+    def exchange(a):
+        return jax.lax.all_to_all(a, axis, 0, 0, tiled=True, axis_index_groups=groups)
+
+    def dispatch(p, b, payload, ints):
+        """Window b of pass p out to the experts' owners -> (received rows [N*h,D], their local ids [N*h], the
+        sorted pair in each sent slot [N,h] (R = none))."""
+        x_tokens = payload[0]
+        dest, slot, local, token_of = ints
+        # Row j of window b's chunk for d is slot p*span + j*blocks + b; pairs outside the window go to the
+        # out-of-range row `h` (dropped). The rows are gathered slot by slot from the tokens: only the window's
+        # N*h rows are read and written, never a row per pair. Unused slots send a zero row with the padding id El.
+        # all_to_all: chunk n of the sender's axis 0 goes to device n; the receiver stacks the chunks by source, so
+        # recv[s] is what device s sent here.
         at = slot - p * span
-        window = jnp.where((at >= 0) & (at < span) & (at % blocks == b), at // blocks, h)
-        send = jnp.zeros((n_dev, h, xs.shape[-1]), xs.dtype).at[dest, window].set(xs, mode="drop")
-        send_ids = jnp.full((n_dev, h), n_local, jnp.int32).at[dest, window].set(local, mode="drop")
-        if _ids_ride_along(xs.dtype, n_local):
-            recv, recv_ids = _unpack(jax.lax.all_to_all(_pack(send, send_ids), axis, 0, 0, tiled=True))
+        window = jnp.where((at >= 0) & (at < span) & (at % blocks == b) & (dest < n_dev), at // blocks, h)
+        pair_at = jnp.full((n_dev, h), rows, jnp.int32).at[dest, window].set(jnp.arange(rows, dtype=jnp.int32),
+                                                                           mode="drop")
+        token_at = jnp.append(token_of, tokens)[pair_at]  # token `tokens`: the zero row appended below
+        send = jnp.pad(x_tokens, ((0, 1), (0, 0)))[token_at]
+        send_ids = jnp.append(local, n_local)[pair_at]
+        if _ids_ride_along(send.dtype, n_local):
+            recv, recv_ids = _unpack(exchange(_pack(send, send_ids)))
         else:
-            recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)
-            recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0, tiled=True)
-        return recv.reshape(n_dev * h, -1), recv_ids.reshape(-1), window
+            recv, recv_ids = exchange(send), exchange(send_ids)
+        return recv.reshape(n_dev * h, -1), recv_ids.reshape(-1), (pair_at, token_at)
 
-    def combine(y, window, ints):
-        """Window results `y: [N*h,D]` back to the slots they came from -> [L*K,D], zeros outside the window."""
-        dest = ints[0]
-        back = jax.lax.all_to_all(y.reshape(n_dev, h, -1), axis, 0, 0, tiled=True)  # back[d, c] answers send[d, c]
-        return jnp.where((window < h)[:, None], back[dest, jnp.minimum(window, h - 1)], 0)
+    def combine(y, state, payload, ints):
+        """Window results `y: [N*h,D]` back, weighted by their pairs' routing weights and summed per token -> [L,D]
+        float32 (zeros from unused slots)."""
+        pair_at, token_at = state
+        pair_weights = payload[1]
+        back = exchange(y.reshape(n_dev, h, -1))  # back[d, c] answers send[d, c]
+        w_at = jnp.append(pair_weights, 0.0)[pair_at]
+        summed = jnp.zeros((tokens + 1, back.shape[-1]), jnp.float32).at[token_at].add(
+            back.astype(jnp.float32) * w_at[..., None])
+        return summed[:tokens]
 
-    one_pass = _pipelined_pass(dispatch, combine, blocks, n_local, lora_scales, kernels, -(-rows // blocks))
+    one_pass = _pipelined_pass(dispatch, combine, blocks, n_local, lora_scales, kernels, -(-live // blocks))
     passes = jnp.maximum(1, (jax.lax.pmax(jnp.max(counts), axis) + span - 1) // span).astype(jnp.int32)
-    back = _exchange(one_pass, passes, span >= rows, (x[token_of], w_gate, w_up, w_down, lora_ab),
-                     (dest, slot, local))
-    return _combine(back, weights, order, token_of, tokens)
+    pair_weights = weights.reshape(-1)[order].astype(jnp.float32)
+    return _exchange(one_pass, passes, span >= rows, ((x, pair_weights), w_gate, w_up, w_down, lora_ab),
+                     (dest, slot, local, token_of))
+
+
+def node_groups(n_dev: int, node_devices: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(across: the devices of one local rank on every node, within: each node's devices) as axis-index groups of
+    an expert axis of `n_dev` devices whose consecutive `node_devices` share a node."""
+    nodes = n_dev // node_devices
+    across = [[node * node_devices + rank for node in range(nodes)] for rank in range(node_devices)]
+    within = [[node * node_devices + rank for rank in range(node_devices)] for node in range(nodes)]
+    return across, within
+
+
+def _node_body(x, weights, experts, w_gate, w_up, w_down, lora_ab, *, lora_scales, axis, n_dev, kernels,
+               receive_capacity=0.0, exchange_blocks=2, node_devices):
+    """Per-device body of the two-stage exchange (`node_devices` consecutive devices of the expert axis share a
+    node: NVLink within, the network across).
+
+    Across nodes each token travels once per node, not once per expert: a window of this device's tokens (rows and
+    routing) goes to the device of the same local rank on every node (an all_to_all of the same rows to each, within
+    the `across` group), which then sends each pair whose expert its node owns to that expert's device over NVLink
+    (`_dense_body` within the node, fixed capacity, passes), weights the results and sums them per token; the
+    per-node partial sums come back across in one all_to_all and add up at the token's device. On 4 nodes with top-8
+    routing a device's rows cross the network 3 times each way per token, against 2 x K x (N - g) / N = 12 rows per
+    token for the one-stage dense exchange at capacity 2 (`receive_capacity`). Windows (`exchange_blocks`) split
+    the tokens, software-pipelined: window b+1's rows leave before window b's experts run."""
+    tokens, k = experts.shape
+    n_local = w_gate.shape[0]
+    nodes = n_dev // node_devices
+    across, within = node_groups(n_dev, node_devices)
+    node = jax.lax.axis_index(axis) // node_devices
+    blocks = max(1, min(exchange_blocks, tokens // MIN_WINDOW_TOKENS))
+    span = -(-tokens // blocks)  # tokens of one window
+    pad = blocks * span - tokens
+    if pad:  # pad tokens route nowhere (expert id past every node's) and weigh 0
+        x = jnp.pad(x, ((0, pad), (0, 0)))
+        weights = jnp.pad(weights, ((0, pad), (0, 0)))
+        experts = jnp.pad(experts, ((0, pad), (0, 0)), constant_values=n_dev * n_local)
+    # The routing rides in float32 next to the rows: the weights are differentiated, expert ids < 2**24 are exact.
+    routing = jnp.concatenate([weights, experts.astype(jnp.float32)], axis=-1)  # [L,2K]
+
+    def across_nodes(a):
+        """`a: [nodes, ...]`: part j to the device of this local rank on node j -> [nodes, ...] by source node."""
+        return jax.lax.all_to_all(a, axis, 0, 0, tiled=True, axis_index_groups=across)
+
+    def dispatch(b):
+        """Window b's rows and routing to every node -> ([nodes*span, D], [nodes*span, 2K]), source-node major."""
+        rows, route = x[b * span:(b + 1) * span], routing[b * span:(b + 1) * span]
+        sent = [across_nodes(jnp.broadcast_to(a[None], (nodes, *a.shape))) for a in (rows, route)]
+        return tuple(a.reshape(nodes * span, -1) for a in sent)
+
+    def experts_of_node(rows, route):
+        """Received tokens' pairs on this node's experts -> [nodes*span, D] float32 weighted sums per token."""
+        pair_w, pair_e = route[:, :k], route[:, k:].astype(jnp.int32)
+        first = node * node_devices * n_local  # this node's experts are [first, first + node_devices * El)
+        here = (pair_e >= first) & (pair_e < first + node_devices * n_local)
+        node_e = jnp.where(here, pair_e - first, node_devices * n_local)  # elsewhere: goes nowhere
+        return _dense_body(rows, jnp.where(here, pair_w, 0), node_e, w_gate, w_up, w_down, lora_ab,
+                           lora_scales=lora_scales, axis=axis, n_dev=node_devices, kernels=kernels,
+                           receive_capacity=receive_capacity, exchange_blocks=1, groups=within,
+                           live_rows=span * k)
+
+    inflight = dispatch(0)
+    outs = []
+    for b in range(blocks):
+        rows, route = inflight
+        if b + 1 < blocks:  # the next window's rows leave before this window's experts start
+            inflight = dispatch(b + 1)
+        partial = experts_of_node(rows, route).astype(x.dtype)  # sums travel back in the activations' dtype
+        back = across_nodes(partial.reshape(nodes, span, -1))  # [nodes, span, D]: each node's part of my tokens
+        outs.append(back.astype(jnp.float32).sum(0))
+    return jnp.concatenate(outs)[:tokens]
 
 
 def _blocks(capacity: int, wanted: int, floor: int) -> int:
@@ -278,11 +376,12 @@ def _pipelined_pass(dispatch, combine, blocks: int, n_local: int, lora_scales, k
     (XLA:GPU runs all-to-all asynchronously, start/done, and its scheduler places independent expert work between
     them). Each pair lies in exactly one window, so the windows' results add up to the pass's without rounding.
 
-    dispatch(p, b, xs, ints) -> (received rows, local ids, state); combine(y, state, ints) -> [L*K,D] (activation
-    dtype, zeros for the pairs outside window b of pass p). rows_hint: the live rows one window expects."""
+    `diff` = (payload, *expert weights): dispatch(p, b, payload, ints) -> (received rows, local ids, state);
+    combine(y, state, payload, ints) -> window b of pass p's part of the result (the transport's form: the sum over
+    windows and passes is the result). rows_hint: the live rows one window expects."""
 
     def one_pass(p, diff, ints):
-        xs, weights = diff[0], diff[1:]
+        payload, weights = diff[0], diff[1:]
 
         def experts(recv, recv_ids):
             # The barrier ties this window's weights to its received rows: otherwise XLA's dot merger fuses the
@@ -290,15 +389,15 @@ def _pipelined_pass(dispatch, combine, blocks: int, n_local: int, lora_scales, k
             recv, recv_ids, (w_gate, w_up, w_down, lora_ab) = jax.lax.optimization_barrier((recv, recv_ids, weights))
             # Results go back in the activations' dtype (bf16 payload on the real run).
             return _local_experts(recv, recv_ids, n_local, w_gate, w_up, w_down, _with_scales(lora_ab, lora_scales),
-                                  kernels, rows_hint).astype(xs.dtype)
+                                  kernels, rows_hint).astype(recv.dtype)
 
-        inflight = dispatch(p, 0, xs, ints)
+        inflight = dispatch(p, 0, payload, ints)
         total = None
         for b in range(blocks):
             recv, recv_ids, state = inflight
             if b + 1 < blocks:  # the next window's rows leave before this window's experts start
-                inflight = dispatch(p, b + 1, xs, ints)
-            out = combine(experts(recv, recv_ids), state, ints)
+                inflight = dispatch(p, b + 1, payload, ints)
+            out = combine(experts(recv, recv_ids), state, payload, ints)
             total = out if total is None else total + out
         return total
 
@@ -371,7 +470,7 @@ def _ragged_body(x, weights, experts, w_gate, w_up, w_down, lora_ab, *, lora_sca
         # Reverse: the rows received from s go back to s, where they were taken from there.
         return recv, recv_ids, (recv_at, recv_sizes, starts_all[:, me] + skip[:, me], send_sizes)
 
-    def combine(y, state, ints):
+    def combine(y, state, _payload, _ints):
         recv_at, recv_sizes, back_to, send_sizes = state
         return jax.lax.ragged_all_to_all(y, jnp.zeros((rows, y.shape[-1]), y.dtype), recv_at, recv_sizes, back_to,
                                          send_sizes, axis_name=axis)
@@ -388,7 +487,7 @@ def experts_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax
                w_down: jax.Array, lora: ExpertAdapters | None = None, *,
                mesh=None, expert_axis: str | None = None, token_axes: Sequence[str] | None = None,
                impl: str = "dense", token_block: int | None = None, kernels: str = "reference",
-               receive_capacity: float = 0.0, exchange_blocks: int = 2) -> jax.Array:
+               receive_capacity: float = 0.0, exchange_blocks: int = 2, node_devices: int = 0) -> jax.Array:
     """Expert-parallel `experts_ragged`: `x: [T,D], weights/experts: [T,K]`, `w_*: [E,D,I] / [E,I,D]` -> [T,D] f32.
 
     `lora`: None or the (gate, up, down) routed-expert `Adapter`s (A [E,in,r], B [E,r,out]).
@@ -404,6 +503,9 @@ def experts_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax
     `exchange_blocks`: windows each pass's exchange is split into, so one window's all-to-all is in flight while
     another's experts compute (1: one synchronous exchange per pass; fewer where a window would fall under
     MIN_CHUNK_ROWS rows per destination). Results do not depend on it.
+    `node_devices`: with the dense transport, g > 0 consecutive devices of the expert axis that share a node (fewer
+    than the axis, dividing it): the exchange goes in two stages, once per node across and per expert within
+    (`_node_body`); 0 (default) or the whole axis: one stage.
     """
     if mesh is None:
         mesh = jax.sharding.get_abstract_mesh()
@@ -433,6 +535,10 @@ def experts_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax
         raise ValueError(f"exchange_blocks: expected >= 1 (1 = no overlap), got {exchange_blocks!r}")
     if receive_capacity != 0 and receive_capacity < 1:
         raise ValueError(f"receive_capacity: expected 0 (worst case) or >= 1, got {receive_capacity!r}")
+    if node_devices < 0 or (0 < node_devices < n_dev and n_dev % node_devices):
+        raise ValueError(f"node_devices: expected 0, a divisor of {expert_axis}={n_dev} or at least it, "
+                         f"got {node_devices!r}")
+    two_stage = impl == "dense" and 0 < node_devices < n_dev
 
     # Only the adapter arrays cross the shard_map boundary (sharded on E); the scales stay static floats.
     lora_global = lora_arrays(lora) or (None, None, None)
@@ -441,12 +547,15 @@ def experts_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax
     tok, exp = P(token_axes, None), P(expert_axis, None, None)
     lora_specs = tuple(None if ab is None else (exp, exp) for ab in lora_ab)
     body = _dense_body if impl == "dense" else _ragged_body
+    stage_kw = dict(node_devices=node_devices) if two_stage else {}
+    if two_stage:
+        body = _node_body
 
     def per_device(x, weights, experts, w_gate, w_up, w_down, lora_ab):
         def run(x, weights, experts):
             return body(x, weights, experts, w_gate, w_up, w_down, lora_ab, lora_scales=lora_scales, axis=expert_axis,
                         n_dev=n_dev, kernels=kernels, receive_capacity=receive_capacity,
-                        exchange_blocks=exchange_blocks)
+                        exchange_blocks=exchange_blocks, **stage_kw)
 
         local = x.shape[0]
         if token_block is None or local <= token_block:

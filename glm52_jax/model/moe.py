@@ -90,6 +90,7 @@ class MoE(nnx.Module):
         self.transport = opts.moe_transport
         self.receive_capacity = opts.moe_receive_capacity
         self.exchange_windows = opts.moe_exchange_windows
+        self.node_devices = opts.moe_node_devices
         self.router = param(rngs, (d, e), ("embed", None), jnp.float32)
         self.e_score_correction_bias = param(None, (e,), (None,), jnp.float32, init="zeros")
         self.w_gate = param(rngs, (e, d, i), ("experts", "embed", "expert_mlp"), dt)
@@ -131,7 +132,8 @@ class MoE(nnx.Module):
             padded = pad_tokens(flat, weights, experts, shards, self.cfg.n_routed_experts)
             routed = experts_ep(*padded, *expert_weights, lora, token_block=self.token_block, impl=self.transport,
                                 kernels=self.kernels, receive_capacity=self.receive_capacity,
-                                exchange_blocks=self.exchange_windows)[:flat.shape[0]]
+                                exchange_blocks=self.exchange_windows,
+                                node_devices=self.node_devices)[:flat.shape[0]]
         else:
             routed = experts_ragged(flat, weights, experts, *expert_weights, lora, self.kernels)
         routed = routed.astype(x.dtype).reshape(batch, seq, d)

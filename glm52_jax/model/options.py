@@ -40,6 +40,9 @@ class ModelOptions:
     `exchange_blocks`): with 2 (default) one window's all-to-all is in flight while the other's experts compute;
     1 runs each pass as one synchronous exchange (fewer, larger kernels: each window re-reads the local experts'
     weights).
+    `moe_node_devices`: with the dense transport, g > 0 consecutive devices of the expert axis that share a node
+    (NVLink within, the network across): each token then crosses the network once per node it has experts on and
+    reaches its experts there over NVLink (`expert_parallel._node_body`); 0 (default): one exchange over the axis.
     `gather_weights_min_tokens`: a call (layer stack, logits) that routes fewer tokens than this (static:
     B x S) keeps the FSDP-sharded frozen matrices in place and runs their projections tensor-parallel
     (`parallel.tensor_parallel`: the activations move, not the weights); 0 (default) always gathers.
@@ -72,6 +75,7 @@ class ModelOptions:
     moe_transport: str = "auto"
     moe_receive_capacity: float = 0.0
     moe_exchange_windows: int = 2
+    moe_node_devices: int = 0
     gather_weights_min_tokens: int = 0
     cache_dtype: str = "auto"
     indexer_dtype: str = "bf16"
@@ -84,9 +88,10 @@ class ModelOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelOptions.{name}: expected a positive integer, got {value!r}")
-        value = self.gather_weights_min_tokens
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"ModelOptions.gather_weights_min_tokens: expected an integer >= 0, got {value!r}")
+        for name in ("gather_weights_min_tokens", "moe_node_devices"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"ModelOptions.{name}: expected an integer >= 0, got {value!r}")
         object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
         if self.context_parallel not in ("zigzag", "contiguous", "off"):
             raise ValueError(f"ModelOptions.context_parallel: expected 'zigzag', 'contiguous' or 'off', "

@@ -322,3 +322,45 @@ def test_ragged_windows_split_each_transfer_in_near_equal_parts():
     second = [np.asarray(a).tolist() for a in expert_parallel._window_part(size, skip, 1, 2)]
     assert first == [[[2, 0], [1, 1]], [[1, 0], [0, 4]], [[0, 0], [2, 0]]]
     assert second == [[[3, 0], [2, 1]], [[3, 0], [1, 5]], [[0, 0], [3, 0]]]
+
+
+@pytest.mark.parametrize("nodes,k,skewed,capacity,blocks", [
+    (4, 2, False, 0.0, 2),  # 2 nodes of 4; worst-case chunks within a node (one pass)
+    (2, 4, True, 1.0, 3),  # 4 nodes of 2; every pair to one device: passes within its node; 3 windows pad a token
+])
+def test_node_exchange_matches_experts_ragged(monkeypatch, nodes, k, skewed, capacity, blocks):
+    """The two-stage exchange (`node_devices`): tokens to every node once, to their experts within it, partial sums
+    back: outputs and gradients (x, expert kernels, routed LoRA) as the one-device `experts_ragged`, with capacity
+    passes within a node and windows that do not divide a device's tokens."""
+    monkeypatch.setattr(expert_parallel, "MIN_CHUNK_ROWS", 1)
+    ep = functools.partial(experts_ep, impl="dense", node_devices=nodes, receive_capacity=capacity,
+                           exchange_blocks=blocks)
+    _check(_problem(k, skewed, seed=21), "folded8", ep)
+
+
+def test_node_exchange_crosses_nodes_once_per_token():
+    """Compiled on 8 devices as 2 nodes of 4: the rows cross between nodes only in all-to-alls of the devices of one
+    local rank ({0,4}, {1,5}, ...), each carrying a device's window of tokens once per node (not once per pair),
+    and reach their experts in all-to-alls within a node ({0..3}, {4..7}); none spans all 8 devices."""
+    prob = _problem(4, False)
+    spec, _, _ = MESHES["folded8"]
+    ep = functools.partial(experts_ep, impl="dense", node_devices=4, receive_capacity=2.0, exchange_blocks=2)
+    with rules.axis_rules(spec.rules()), jax.set_mesh(spec.make()):
+        jaxpr = str(jax.make_jaxpr(ep)(prob["x"], prob["weights"], prob["experts"], *prob["w"]))
+    assert expert_parallel.node_groups(8, 4) == ([[0, 4], [1, 5], [2, 6], [3, 7]], [[0, 1, 2, 3], [4, 5, 6, 7]])
+    groups = re.findall(r"all_to_all\[[^\]]*axis_index_groups=(\(\([^=]*?\)\))", jaxpr.replace("\n", " "))
+    across, within = "((0, 4), (1, 5), (2, 6), (3, 7))", "((0, 1, 2, 3), (4, 5, 6, 7))"
+    assert groups and set(groups) == {across, within}, groups
+    # 8 tokens per device in 2 windows of 4: a window's rows go to both nodes ([2, 4, D] sent, the same rows to
+    # each) with their routing ([2, 4, 2K] float32), and its per-node sums come back as [2, 4, D].
+    sends = re.findall(r"f32\[(\d+),(\d+),(\d+)\] = all_to_all\[[^\]]*axis_index_groups=\(\(0, 4\)", jaxpr)
+    assert sends.count(("2", "4", str(D))) == 4 and sends.count(("2", "4", str(2 * 4))) == 2, sends
+
+
+def test_node_devices_checked():
+    """A node size that does not divide the expert axis is one line naming the argument."""
+    prob = _problem(2, False)
+    spec = MESHES["folded8"][0]
+    with pytest.raises(ValueError, match="node_devices: expected 0, a divisor of cp_ep=8 or at least it, got 3"):
+        with jax.set_mesh(spec.make()), rules.axis_rules(spec.rules()):
+            experts_ep(prob["x"], prob["weights"], prob["experts"], *prob["w"], impl="dense", node_devices=3)

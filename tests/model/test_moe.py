@@ -110,3 +110,29 @@ def test_exchange_windows_option_reaches_the_exchange():
     np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="moe_exchange_windows: expected a positive integer"):
         ModelOptions(moe_exchange_windows=0)
+
+
+def test_node_devices_option_reaches_the_exchange():
+    """`ModelOptions.moe_node_devices` (config `model.moe_node_devices`): 4 on 8 devices runs the two-stage exchange
+    (all-to-alls among {0,4}, {1,5}, ... and within {0..3}, {4..7}, none over all 8); same output as one stage."""
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.standard_normal((1, 256, CFG.hidden_size)), jnp.float32)
+    spec = parse_mesh("folded=8")
+    mesh = spec.make()
+    outs, groups = [], []
+    for nodes in (0, 4):
+        module = MoE(CFG, ModelOptions(param_dtype=jnp.float32, moe_transport="dense", moe_node_devices=nodes),
+                     nnx.Rngs(0))
+        with rules.axis_rules(spec.rules()):
+            placed = place_model(module, mesh)
+            with jax.set_mesh(mesh):
+                graphdef, state = nnx.split(placed)
+                fn = lambda state, x, g=graphdef: nnx.merge(g, state)(x)  # noqa: E731
+                jaxpr = str(jax.make_jaxpr(fn)(state, x)).replace("\n", " ")
+                groups.append(re.findall(r"all_to_all\[[^\]]*?axis_index_groups=(None|\(\(.*?\)\))", jaxpr))
+                outs.append(np.asarray(jax.jit(fn)(state, x)))
+    assert set(groups[0]) == {"None"}, groups[0]
+    assert set(groups[1]) == {"((0, 4), (1, 5), (2, 6), (3, 7))", "((0, 1, 2, 3), (4, 5, 6, 7))"}, groups[1]
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="moe_node_devices: expected an integer >= 0"):
+        ModelOptions(moe_node_devices=-1)
