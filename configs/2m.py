@@ -40,15 +40,19 @@ def get_config():
     # kept 0.962 / 0.942 of it); selection overlap with bf16 1.0 at 4K-64K keys, and on the tiny policy 1.0 with
     # greedy tokens unchanged (benchmarks/indexer_fp8.py, RESULTS.md). Modeled first candidate 277.6 s central, 337.6
     # with `--config.model.indexer_dtype=bf16` (bf16 scoring throughout).
-    # The MoE exchange in two stages (4 hosts x 8 GPUs): each token crosses the network once per host that holds one
-    # of its experts, not once per expert, and reaches the expert's GPU over NVLink; the partial sums come back the
-    # same way. Planned (prefill, whole prompt): network bytes of the all-to-alls 1,465 -> 379 GB per device,
-    # all-to-all 55.7 -> 23.9 s, prefill 274 -> 248 s central (benchmarks/RESULTS.md).
+    # The MoE exchange in two stages (4 hosts x 8 GPUs): a token crosses the network once to each other host, not
+    # once per expert, and reaches its experts' GPUs over NVLink; each host's weighted sum comes back once. Planned
+    # (prefill, whole prompt): all-to-all bytes across hosts 1,465 -> 379 GB per device, all-to-all 55.7 -> 23.9 s,
+    # prefill 274 -> 248 s central (benchmarks/RESULTS.md).
     c.model.moe_node_devices = 8
     # ... with 1,024 tokens per device per exchange round (glm52_release's 256 sized the one-stage exchange's
     # buffers): a quarter of the rounds' launches and latencies (prefill 248 -> 238 s central, memory unchanged), and
-    # each destination's chunk averages 512 pairs, so capacity 2 is exceeded (a second pass) less often than at 256.
+    # each destination's chunk within a host averages 512 pairs, so capacity 2 takes a second pass less often.
     c.model.moe_token_block = 1024
+    # ... in one window per round: the deviceless H20 compile overlaps neither stage's all-to-alls with the experts
+    # in 2 windows (XLA's scheduler keeps other exchanges and no grouped matmul between a start and its done), and
+    # each window costs its own launches: prefill 220.4 s (2 windows) -> 220.0 s, 1.18M -> 0.76M launches.
+    c.model.moe_exchange_windows = 1
     c.model.indexer_dtype = "fp8"
     c.model.indexer_candidates = 4096
     return c

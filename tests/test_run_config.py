@@ -33,7 +33,7 @@ def test_configs_override_only_what_they_change():
     changed_2m = sorted(k for k in base if base[k] != m2[k])
     assert changed_2m == ["data.dedupe", "data.prompt_tokens", "mesh", "model.checkpoint", "model.dtype",
                           "model.gather_weights_min_tokens", "model.indexer_candidates", "model.indexer_dtype",
-                          "model.moe_node_devices", "model.moe_receive_capacity",
+                          "model.moe_exchange_windows", "model.moe_node_devices", "model.moe_receive_capacity",
                           "model.moe_transport", "model.preset",
                           "model.rope_scaling_json", "name", "plan.target",
                           "sampling.chunk_size",
@@ -43,10 +43,11 @@ def test_configs_override_only_what_they_change():
     # The seed's runs plan for the H20 with XLA's GPU compiler (both share glm52_release); tiny runs plan on CPU.
     assert (base["plan.target"], m2["plan.target"], parity["plan.target"]) == ("cpu", "h20", "h20")
     assert (base["sampling.samples_per_request"], base["model.init_adapter"]) == (0, "")
-    # Parity keeps the one-stage MoE exchange of 256-token rounds (its plan was made so).
+    # Parity keeps the one-stage MoE exchange of 256-token rounds in 2 windows (its plan was made so).
     assert sorted(k for k in m2 if m2[k] != parity[k]) == ["data.prompt_tokens", "model.indexer_candidates",
-                                                          "model.indexer_dtype", "model.moe_node_devices",
-                                                          "model.moe_token_block", "model.rope_scaling_json", "name",
+                                                          "model.indexer_dtype", "model.moe_exchange_windows",
+                                                          "model.moe_node_devices", "model.moe_token_block",
+                                                          "model.rope_scaling_json", "name",
                                                           "parity.acceptance", "sampling.chunk_size",
                                                           "sampling.prefill_mode",
                                                           "sampling.prefix_cache_mib_per_device",
@@ -60,10 +61,9 @@ def test_one_node_config_is_the_2m_run_on_eight_h200():
     m2, one = (flatten(config_spec(n).to_dict()) for n in ("2m", "2m_one_node"))
     assert sorted(k for k in m2 if m2[k] != one[k]) == ["mesh", "model.base_weights", "model.cache_dtype",
                                                        "model.indexer_candidates", "model.indexer_dtype",
-                                                       "model.moe_exchange_windows", "model.moe_node_devices", "name",
-                                                       "plan.target"]
+                                                       "model.moe_node_devices", "name", "plan.target"]
     assert (one["model.indexer_dtype"], one["model.indexer_candidates"]) == ("bf16", 0)  # as its plan was made
-    assert (m2["model.moe_exchange_windows"], one["model.moe_exchange_windows"]) == (2, 1)
+    assert (m2["model.moe_exchange_windows"], one["model.moe_exchange_windows"]) == (1, 1)
     assert (m2["model.moe_node_devices"], one["model.moe_node_devices"]) == (8, 0)  # 4 hosts x 8 / one node
     assert one["sampling.prefill_mode"] == "whole"
     assert (one["mesh"], one["model.base_weights"], one["model.cache_dtype"], one["plan.target"]) == (
@@ -316,7 +316,7 @@ def test_settings_build_the_objects_the_spec_configures():
     assert settings.model_options(nodes.model).moe_node_devices == 4 and options.moe_node_devices == 0
     two_m = settings.model_options(config_spec("2m").model)
     assert (two_m.indexer_dtype, two_m.indexer_candidates) == ("fp8", 4096)  # bf16's top-2048 from FP8 scoring
-    assert settings.model_options(config_spec("2m").model).moe_exchange_windows == 2
+    assert settings.model_options(config_spec("2m").model).moe_exchange_windows == 1
     assert settings.model_options(config_spec("tiny").model).cache_dtype == "auto"
     assert settings.model_options(config_spec("tiny").model).indexer_dtype == "bf16"
     assert settings.model_options(config_spec("tiny").model).indexer_candidates == 0

@@ -7,9 +7,10 @@ by its own group's kernel.
 Rows arrive sorted by group (`group_sizes: [G]`, rows past `sum(group_sizes)` belong to no group and
 come out as zeros, as from `lax.ragged_dot`). The rows are cut into tiles of `block_m` rows that never
 straddle two groups; a tile table (group, first row, end row) is computed in jnp, at most
-`cdiv(M, block_m) + G` tiles, and the unused tail entries are empty. The grid is (tile, output-column
-block): each program accumulates `lhs[rows] @ rhs[g][:, cols]` over K blocks in float32 and stores its
-rows; the output starts as zeros (an aliased input), so rows no tile covers stay zero.
+`cdiv(M, block_m) + G + 1` tiles: each group's, then tiles that store the rows past every group as zeros, and
+the unused tail entries are empty. The grid is (tile, output-column block): each program accumulates
+`lhs[rows] @ rhs[g][:, cols]` over K blocks in float32 and stores its rows. Every row is stored once, so the
+output is a fresh buffer (no zero-filled input aliased to it, which XLA filled and copied per call).
 
 `grouped_matmul` carries a custom VJP: the row gradient is the same kernel against the transposed
 kernels (`dy @ rhs[g]^T`, no transposed copy: the kernel loads the blocks transposed); the kernel
@@ -58,12 +59,14 @@ def supported(lhs_shape, rhs_shape, dtype) -> bool:
 
 
 def tile_table(group_sizes: jax.Array, rows: int, block_m: int) -> jax.Array:
-    """`group_sizes: [G]` -> `[3, T]` int32 (group, first row, end row) of each tile; T = cdiv(rows, block_m) + G.
+    """`group_sizes: [G]` -> `[3, T]` int32 (group, first row, end row) of each tile; T = cdiv(rows, block_m) + G + 1.
 
-    Tiles of one group cover its rows in order; unused tiles have first = end = 0 (they store nothing).
+    Tiles of one group cover its rows in order; then tiles of group G (none) cover the rows past sum(group_sizes),
+    which the kernel stores as zeros; unused tiles have first = end = 0 (they store nothing). Every output row is
+    stored by exactly one tile, so the output needs no zero-filled buffer.
     """
     groups = group_sizes.shape[0]
-    count = -(-rows // block_m) + groups
+    count = -(-rows // block_m) + groups + 1
     sizes = group_sizes.astype(jnp.int32)
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
@@ -75,7 +78,12 @@ def tile_table(group_sizes: jax.Array, rows: int, block_m: int) -> jax.Array:
     gc = jnp.minimum(g, groups - 1)
     first = starts[gc] + (t - (tile_ends[gc] - tiles[gc])) * block_m
     end = jnp.minimum(first + block_m, ends[gc])
-    return jnp.stack([jnp.where(used, gc, 0), jnp.where(used, first, 0), jnp.where(used, end, 0)])
+    total, used_tiles = ends[-1], tile_ends[-1]
+    tail_first = total + (t - used_tiles) * block_m  # tiles after the groups': the rows past every group
+    tail = ~used & (tail_first < rows)
+    return jnp.stack([jnp.where(used, gc, jnp.where(tail, groups, 0)),
+                      jnp.where(used, first, jnp.where(tail, tail_first, 0)),
+                      jnp.where(used, end, jnp.where(tail, jnp.minimum(tail_first + block_m, rows), 0))])
 
 
 def _precision(dtype):
@@ -84,9 +92,9 @@ def _precision(dtype):
 
 def _kernel(table_ref, lhs_ref, rhs_ref, *refs, num_groups, block_m, block_k, block_n, steps, transpose_rhs,
             scale_block, dtype):
-    # refs: (scales, zeros, out) for an FP8 rhs (scale_block set), else (zeros, out); zeros is aliased to
-    # out: rows no tile stores stay zero.
-    scales_ref, out_ref = (refs[0], refs[2]) if scale_block else (None, refs[1])
+    # refs: (scales, out) for an FP8 rhs (scale_block set), else (out,). A tile of group G (`tile_table`: rows past
+    # every group) runs no step and stores zeros.
+    scales_ref, out_ref = (refs[0], refs[1]) if scale_block else (None, refs[0])
     t, j = pl.program_id(0), pl.program_id(1)
     g, first, end = table_ref[0, t], table_ref[1, t], table_ref[2, t]
     rows = first + jnp.arange(block_m, dtype=jnp.int32)
@@ -121,7 +129,9 @@ def _kernel(table_ref, lhs_ref, rhs_ref, *refs, num_groups, block_m, block_k, bl
         w = weights(ks[:, None], cols[None, :])
         return acc + jnp.dot(x, w, preferred_element_type=jnp.float32, precision=precision)
 
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_m, block_n), jnp.float32))
+    # No step for a zero tile nor an unused one (first = end: it stores nothing).
+    count = steps * ((g < num_groups) & (end > first)).astype(jnp.int32)
+    acc = jax.lax.fori_loop(0, count, body, jnp.zeros((block_m, block_n), jnp.float32))
     plgpu.store(out_ref.at[rows[:, None], cols[None, :]], acc.astype(out_ref.dtype), mask=live[:, None])
 
 
@@ -148,7 +158,6 @@ def _call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, block_m, rows_hint
     operands = [table, lhs, rhs]
     if scales is not None:
         operands.append(scales.astype(jnp.float32).reshape(-1, scales.shape[-1]))
-    operands.append(jnp.zeros((m, n), out_dtype))
     whole = lambda shape: pl.BlockSpec(shape, lambda t, j: (0,) * len(shape))  # noqa: E731
     rows = min(rows_hint, m)
     fp8 = "" if scales is None else "_fp8"
@@ -158,16 +167,15 @@ def _call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, block_m, rows_hint
         in_specs=[whole(x.shape) for x in operands],
         out_specs=whole((m, n)),
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
-        input_output_aliases={len(operands) - 1: 0},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
         interpret=kernels.interpret(),
         # The name carries the rows expected to be live: plan mode (plan/hlo.py) counts the kernel's FLOPs
         # from it (a worst-case-sized EP receive buffer is mostly empty tiles).
         # The live rows read and written, each group's kernel block read (once per group: its tiles run
-        # together; an FP8 kernel's e4m3 bytes and its scales), the zero-initialised output written once.
+        # together; an FP8 kernel's e4m3 bytes and its scales), the other rows written as zeros.
         name=kernels.traffic_name(f"grouped_matmul{'_t' if transpose_rhs else ''}_rows{rows}{fp8}",
-                                  rows * (k * lhs.dtype.itemsize + n * jnp.dtype(out_dtype).itemsize)
-                                  + sum(x.nbytes for x in operands[2:-1]) + m * n * jnp.dtype(out_dtype).itemsize),
+                                  rows * k * lhs.dtype.itemsize + m * n * jnp.dtype(out_dtype).itemsize
+                                  + sum(x.nbytes for x in operands[2:])),
     )(*operands)
 
 

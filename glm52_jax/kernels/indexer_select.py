@@ -74,6 +74,10 @@ def merge_select(running: tuple[jax.Array, jax.Array], scores: jax.Array, first_
         grid=(batch, pl.cdiv(rows, rpp)),
         in_specs=[pl.BlockSpec((1,), lambda b, r: (0,)), row_spec(width), row_spec(width), row_spec(padded)],
         out_specs=(row_spec(width), row_spec(width)),
+        # The new running set is written over the old one (a program loads its rows whole, and its stores wait for
+        # the threshold, a reduction over every loaded entry): in the key loop the carry then stays in place, where
+        # a fresh output was copied back into it every trip (2 x 67 MB per 4,096-query block on the 2M prefill).
+        input_output_aliases={1: 0, 2: 1},
         compiler_params=pltriton.CompilerParams(num_warps=8, num_stages=1),
         interpret=kernels.interpret(),
         name="dsa_topk_select",

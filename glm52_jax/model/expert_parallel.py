@@ -129,8 +129,11 @@ def _local_experts(rows: jax.Array, local_ids: jax.Array, n_local: int, w_gate, 
     order = jnp.argsort(local_ids, stable=True)
     group_sizes = jnp.bincount(local_ids, length=n_local).astype(jnp.int32)  # id El falls outside `length`
     y = grouped_swiglu(rows[order], group_sizes, w_gate, w_up, w_down, lora, kernels, rows_hint)
-    # Undo the sort: row order[j] of the input is row j of y.
-    return jnp.zeros_like(y).at[order].set(y)
+    # Undo the sort: row order[j] of the input is row j of y. A gather by the inverse permutation, not a scatter of
+    # y: XLA fuses it with the caller's cast (one read of the float32 rows, one write in the activations' dtype),
+    # where the scatter wrote float32 zeros, copied them and scattered into them before the cast.
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    return y[inverse]
 
 
 def _dispatch_plan(experts: jax.Array, n_local: int, n_dev: int):
@@ -254,10 +257,10 @@ def _dense_body(x, weights, experts, w_gate, w_up, w_down, lora_ab, *, lora_scal
         send = jnp.pad(x_tokens, ((0, 1), (0, 0)))[token_at]
         send_ids = jnp.append(local, n_local)[pair_at]
         if _ids_ride_along(send.dtype, n_local):
-            recv, recv_ids = _unpack(exchange(_pack(send, send_ids)))
+            received = exchange(_pack(send, send_ids)).reshape(n_dev * h, -1)
         else:
-            recv, recv_ids = exchange(send), exchange(send_ids)
-        return recv.reshape(n_dev * h, -1), recv_ids.reshape(-1), (pair_at, token_at)
+            received = (exchange(send).reshape(n_dev * h, -1), exchange(send_ids).reshape(-1))
+        return received, (pair_at, token_at)
 
     def combine(y, state, payload, ints):
         """Window results `y: [N*h,D]` back, weighted by their pairs' routing weights and summed per token -> [L,D]
@@ -376,17 +379,20 @@ def _pipelined_pass(dispatch, combine, blocks: int, n_local: int, lora_scales, k
     (XLA:GPU runs all-to-all asynchronously, start/done, and its scheduler places independent expert work between
     them). Each pair lies in exactly one window, so the windows' results add up to the pass's without rounding.
 
-    `diff` = (payload, *expert weights): dispatch(p, b, payload, ints) -> (received rows, local ids, state);
+    `diff` = (payload, *expert weights): dispatch(p, b, payload, ints) -> (received, state), received = (rows, local
+    ids) or the rows with their ids packed as one more column (`_pack`);
     combine(y, state, payload, ints) -> window b of pass p's part of the result (the transport's form: the sum over
     windows and passes is the result). rows_hint: the live rows one window expects."""
 
     def one_pass(p, diff, ints):
         payload, weights = diff[0], diff[1:]
 
-        def experts(recv, recv_ids):
+        def experts(received):
             # The barrier ties this window's weights to its received rows: otherwise XLA's dot merger fuses the
-            # windows' matmuls (they share the weights) into one that waits for every window's exchange.
-            recv, recv_ids, (w_gate, w_up, w_down, lora_ab) = jax.lax.optimization_barrier((recv, recv_ids, weights))
+            # windows' matmuls (they share the weights) into one that waits for every window's exchange. Packed rows
+            # are unpacked after it, so the slice fuses into the experts' sorting gather instead of being copied.
+            received, (w_gate, w_up, w_down, lora_ab) = jax.lax.optimization_barrier((received, weights))
+            recv, recv_ids = received if isinstance(received, tuple) else _unpack(received)
             # Results go back in the activations' dtype (bf16 payload on the real run).
             return _local_experts(recv, recv_ids, n_local, w_gate, w_up, w_down, _with_scales(lora_ab, lora_scales),
                                   kernels, rows_hint).astype(recv.dtype)
@@ -394,10 +400,10 @@ def _pipelined_pass(dispatch, combine, blocks: int, n_local: int, lora_scales, k
         inflight = dispatch(p, 0, payload, ints)
         total = None
         for b in range(blocks):
-            recv, recv_ids, state = inflight
+            received, state = inflight
             if b + 1 < blocks:  # the next window's rows leave before this window's experts start
                 inflight = dispatch(p, b + 1, payload, ints)
-            out = combine(experts(recv, recv_ids), state, payload, ints)
+            out = combine(experts(received), state, payload, ints)
             total = out if total is None else total + out
         return total
 
@@ -461,14 +467,15 @@ def _ragged_body(x, weights, experts, w_gate, w_up, w_down, lora_ab, *, lora_sca
         recv_sizes, recv_at = size[:, me], landing[:, me]  # [N] by source
         out, out_ids = jnp.zeros((h, xs.shape[-1]), xs.dtype), jnp.full((h,), n_local, jnp.int32)
         if _ids_ride_along(xs.dtype, n_local):
-            recv, recv_ids = _unpack(jax.lax.ragged_all_to_all(_pack(xs, local), _pack(out, out_ids), send_from,
-                                                               send_sizes, send_to, recv_sizes, axis_name=axis))
+            received = jax.lax.ragged_all_to_all(_pack(xs, local), _pack(out, out_ids), send_from, send_sizes, send_to,
+                                                 recv_sizes, axis_name=axis)
         else:
             recv = jax.lax.ragged_all_to_all(xs, out, send_from, send_sizes, send_to, recv_sizes, axis_name=axis)
             recv_ids = jax.lax.ragged_all_to_all(local, out_ids, send_from, send_sizes, send_to, recv_sizes,
                                                  axis_name=axis)
+            received = (recv, recv_ids)
         # Reverse: the rows received from s go back to s, where they were taken from there.
-        return recv, recv_ids, (recv_at, recv_sizes, starts_all[:, me] + skip[:, me], send_sizes)
+        return received, (recv_at, recv_sizes, starts_all[:, me] + skip[:, me], send_sizes)
 
     def combine(y, state, _payload, _ints):
         recv_at, recv_sizes, back_to, send_sizes = state

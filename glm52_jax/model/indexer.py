@@ -213,7 +213,9 @@ def streaming_topk(q: jax.Array, w: jax.Array, k: jax.Array, q_pos: jax.Array, k
     qb, kb = causal_blocks(seq, num_keys, query_block, key_block, kernels)
     fp8 = check_indexer_dtype(indexer_dtype)
     kk = min(topk, num_keys)
-    exact_keys = k  # unquantized: what the FP8 candidates are rescored against
+    # Unquantized: what the FP8 candidates are rescored against, held in the scoring dtype (the keys are its values
+    # in float32), so each rescoring gathers half the bytes of float32 rows and casts nothing.
+    exact_keys = k if score_dtype is None else k.astype(score_dtype)
 
     def key_rows(idx):
         return _take_rows(exact_keys, idx)
@@ -226,6 +228,7 @@ def streaming_topk(q: jax.Array, w: jax.Array, k: jax.Array, q_pos: jax.Array, k
     if use_pallas(kernels):
         dtype = kernel_indexer.FP8 if fp8 else (k.dtype if score_dtype is None else score_dtype)
         keys = k.astype(dtype)  # once per call; the kernel reads key rows in place from it
+        q = q.astype(dtype)  # once per call too, not per key-loop trip (XLA left the cast in the loop body)
 
         def score_block(j, q_blk, w_blk, qpos_blk):
             scores = kernel_indexer.index_scores(q_blk.astype(dtype), w_blk, qpos_blk, keys, k_pos, j * kb, kb,
@@ -285,11 +288,13 @@ def cached_topk(q: jax.Array, w: jax.Array, keys: jax.Array, index: tuple, q_pos
         key_scales = jax.lax.stop_gradient(key_scales)
     fp8 = check_indexer_dtype(indexer_dtype)
 
-    def stack_rows(idx):  # [B,r,M] slots -> their key rows [B,r,M,I] float32 (e4m3 rows dequantized)
+    rows_dtype = jnp.float32 if score_dtype is None else score_dtype
+
+    def stack_rows(idx):  # [B,r,M] slots -> their key rows [B,r,M,I] in the scoring dtype (e4m3 rows dequantized)
         rows = _take_rows(jax.lax.stop_gradient(keys[lead]), idx)
         if key_scales is None:
-            return rows.astype(jnp.float32)
-        return cache_fp8.read_rows(rows, _take_rows(key_scales[lead][..., None], idx)[..., 0], jnp.float32)
+            return rows.astype(rows_dtype)
+        return cache_fp8.read_rows(rows, _take_rows(key_scales[lead][..., None], idx)[..., 0], rows_dtype)
 
     rescore = _rescoring(fp8, candidates, topk, capacity, q, w, _gathered_scores(stack_rows, scale, score_dtype))
     keep = kk if rescore is None else rescore[0]
@@ -303,6 +308,7 @@ def cached_topk(q: jax.Array, w: jax.Array, keys: jax.Array, index: tuple, q_pos
         else:
             dtype = (keys.dtype if key_scales is None else jnp.float32) if score_dtype is None else score_dtype
         quantize_keys = fp8 and key_scales is None
+        q = q.astype(dtype)  # once per call, not per key-loop trip
         slots = jnp.arange(capacity, dtype=jnp.int32)
         slot_pos = jnp.where(slots < length, slots, jnp.iinfo(jnp.int32).max)  # unwritten slots: never visible
 

@@ -29,11 +29,18 @@ def _ragged(x, w, gs):
 
 def test_tile_table_covers_each_group_in_block_rows():
     table = np.asarray(tile_table(jnp.array([5, 0, 13, 3], jnp.int32), rows=24, block_m=4))
-    assert table.shape == (3, 6 + 4)
+    assert table.shape == (3, 6 + 4 + 1)
     used = table[:, table[2] > table[1]]
-    # (group, first, end): group 0 in 2 tiles, group 1 none, group 2 in 4, group 3 in 1; rows 21..23 in no group.
-    assert used.T.tolist() == [[0, 0, 4], [0, 4, 5], [2, 5, 9], [2, 9, 13], [2, 13, 17], [2, 17, 18], [3, 18, 21]]
-    assert (table[:, 7:] == 0).all()
+    # (group, first, end): group 0 in 2 tiles, group 1 none, group 2 in 4, group 3 in 1; rows 21..23 in no group:
+    # one tile of group G = 4, which the kernel stores as zeros.
+    assert used.T.tolist() == [[0, 0, 4], [0, 4, 5], [2, 5, 9], [2, 9, 13], [2, 13, 17], [2, 17, 18], [3, 18, 21],
+                               [4, 21, 24]]
+    assert (table[:, 8:] == 0).all()
+    # Rows that take several tail tiles, and none when the groups fill every row.
+    tail = np.asarray(tile_table(jnp.array([3, 2], jnp.int32), rows=16, block_m=4))
+    assert tail[:, tail[2] > tail[1]].T.tolist() == [[0, 0, 3], [1, 3, 5], [2, 5, 9], [2, 9, 13], [2, 13, 16]]
+    full = np.asarray(tile_table(jnp.array([8, 8], jnp.int32), rows=16, block_m=4))
+    assert 2 not in full[0, full[2] > full[1]].tolist()
     assert np.asarray(row_groups(jnp.array([2, 0, 1]), 5)).tolist() == [0, 0, 2, 3, 3]
 
 
