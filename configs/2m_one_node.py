@@ -37,14 +37,17 @@ def get_config():
     # Whole-prompt prefill (configs/2m.py's), the lower estimate: one context-parallel forward whose attention, MLPs
     # and MoE run in 16,384-token blocks per device (context_parallel.WHOLE_QUERY_BLOCK) fits (134.2 of 135.7 GB)
     # and is modeled at 363 s central (322-652 s) against 128 x 14.5 s = 1,856 s for 16K chunks (127.6 GB, planned at
-    # 38859220a9: benchmarks/results/plan_2m_one_node_h200_chunked.json). Every program planned in this mode at
-    # fddbdb7 (with the exchange below): benchmarks/results/plan_2m_one_node_h200.json.
-    # One synchronous EP exchange per pass, not 2 software-pipelined windows (configs/2m.py's default): over one
+    # 38859220a9: benchmarks/results/plan_2m_one_node_h200_chunked.json). Every program planned in this mode in
+    # session 15 (first candidate 325.3 s central; session 11: 370.7): benchmarks/results/plan_2m_one_node_h200.json.
+    # One synchronous EP exchange per pass, not 2 software-pipelined windows (the default): over one
     # node's NVLink the all-to-all is short (23 s of the prefill) and nothing hid it, while each window re-reads the
     # local experts' weights and launches its own kernels: planned with 2 windows the prefill was 424.6 s central
     # (19.2M launches), with 1 window 367 s (benchmarks/RESULTS.md, session 11).
     c.model.moe_exchange_windows = 1
     c.model.moe_node_devices = 0  # one node: the one-stage exchange, all of it over NVLink
+    # 256 tokens per round (glm52_release's; configs/2m.py's 1,024 sizes its two-stage buffers): this node's prefill
+    # runs 134 of 135.7 GB, and the one-stage exchange's buffers grow with the round.
+    c.model.moe_token_block = 256
     # The indexer scores in bf16 here. configs/2m.py's FP8 scoring with 4,096 rescored candidates, planned for this
     # node's prefill, fits (134.25 GB) but gains only 367 -> 360.6 s central: at 262,144 queries per device the wider
     # merge and the rescoring's row gathers cost most of what FP8 saves (benchmarks/RESULTS.md, session 14).

@@ -61,7 +61,8 @@ def test_one_node_config_is_the_2m_run_on_eight_h200():
     m2, one = (flatten(config_spec(n).to_dict()) for n in ("2m", "2m_one_node"))
     assert sorted(k for k in m2 if m2[k] != one[k]) == ["mesh", "model.base_weights", "model.cache_dtype",
                                                        "model.indexer_candidates", "model.indexer_dtype",
-                                                       "model.moe_node_devices", "name", "plan.target"]
+                                                       "model.moe_node_devices", "model.moe_token_block", "name",
+                                                       "plan.target"]
     assert (one["model.indexer_dtype"], one["model.indexer_candidates"]) == ("bf16", 0)  # as its plan was made
     assert (m2["model.moe_exchange_windows"], one["model.moe_exchange_windows"]) == (1, 1)
     assert (m2["model.moe_node_devices"], one["model.moe_node_devices"]) == (8, 0)  # 4 hosts x 8 / one node

@@ -121,7 +121,7 @@ def _local_experts(rows: jax.Array, local_ids: jax.Array, n_local: int, w_gate, 
     """SwiGLU of this device's experts on received rows, in any order.
 
     `rows: [R,D]`, `local_ids: [R]` in [0, El] (El = padding), `lora`: `grouped_mlp.ExpertLoRA` on the
-    local expert shards or None -> `[R,D]` float32, same row order; padding rows give zeros. Sorting
+    local expert shards or None -> `[R,D]` in the rows' dtype, same row order; padding rows give zeros. Sorting
     by local expert makes each expert's rows contiguous for `grouped_swiglu`; padding (id El) sorts
     last and lies outside every group. kernels / rows_hint: as in `grouped_swiglu` (rows_hint: the rows
     expected to arrive with balanced routing, for plan mode's FLOP count of the grouped-matmul kernel).
@@ -129,11 +129,11 @@ def _local_experts(rows: jax.Array, local_ids: jax.Array, n_local: int, w_gate, 
     order = jnp.argsort(local_ids, stable=True)
     group_sizes = jnp.bincount(local_ids, length=n_local).astype(jnp.int32)  # id El falls outside `length`
     y = grouped_swiglu(rows[order], group_sizes, w_gate, w_up, w_down, lora, kernels, rows_hint)
-    # Undo the sort: row order[j] of the input is row j of y. A gather by the inverse permutation, not a scatter of
-    # y: XLA fuses it with the caller's cast (one read of the float32 rows, one write in the activations' dtype),
-    # where the scatter wrote float32 zeros, copied them and scattered into them before the cast.
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    return y[inverse]
+    # Undo the sort: row order[j] of the input is row j of y. Scattered in the rows' dtype (the results travel back
+    # in it): float32 zeros, their copy and a float32 scatter before the cast cost 3x the bytes. (A gather by the
+    # inverse permutation, fused with the cast, costs less still, but XLA:GPU then scheduled no expert matmul
+    # between a window's all-to-all start and done: tests/plan/test_ep_overlap.py.)
+    return jnp.zeros(y.shape, rows.dtype).at[order].set(y.astype(rows.dtype))
 
 
 def _dispatch_plan(experts: jax.Array, n_local: int, n_dev: int):
@@ -395,7 +395,7 @@ def _pipelined_pass(dispatch, combine, blocks: int, n_local: int, lora_scales, k
             recv, recv_ids = received if isinstance(received, tuple) else _unpack(received)
             # Results go back in the activations' dtype (bf16 payload on the real run).
             return _local_experts(recv, recv_ids, n_local, w_gate, w_up, w_down, _with_scales(lora_ab, lora_scales),
-                                  kernels, rows_hint).astype(recv.dtype)
+                                  kernels, rows_hint)
 
         inflight = dispatch(p, 0, payload, ints)
         total = None
