@@ -88,26 +88,27 @@ def test_few_tokens_run_expert_parallel(moe, mesh_text):
     assert not any(f"[{e},{d},{i}]" in g or f"[{e},{i},{d}]" in g for g in gathers), gathers
 
 
+def _moe_on_folded8(seed: int, **options) -> tuple[str, np.ndarray]:
+    """(jaxpr text, output) of a float32 dense-transport MoE with `options` on a folded 8-device mesh, on
+    random x [1, 256, D] (32 tokens per device)."""
+    x = jnp.asarray(np.random.default_rng(seed).standard_normal((1, 256, CFG.hidden_size)), jnp.float32)
+    spec = parse_mesh("folded=8")
+    mesh = spec.make()
+    module = MoE(CFG, ModelOptions(param_dtype=jnp.float32, moe_transport="dense", **options), nnx.Rngs(0))
+    with rules.axis_rules(spec.rules()):
+        placed = place_model(module, mesh)
+        with jax.set_mesh(mesh):
+            graphdef, state = nnx.split(placed)
+            fn = lambda state, x: nnx.merge(graphdef, state)(x)  # noqa: E731
+            return str(jax.make_jaxpr(fn)(state, x)).replace("\n", " "), np.asarray(jax.jit(fn)(state, x))
+
+
 def test_exchange_windows_option_reaches_the_exchange():
     """`ModelOptions.moe_exchange_windows` (config `model.moe_exchange_windows`) sets how many windows each pass's
     exchange is split into: 1 is one all-to-all out and one back per pass; 2 (the default) twice that. Same output."""
-    rng = np.random.default_rng(7)
-    x = jnp.asarray(rng.standard_normal((1, 256, CFG.hidden_size)), jnp.float32)  # 32 tokens per device
-    spec = parse_mesh("folded=8")
-    mesh = spec.make()
-    outs, exchanges = [], []
-    for windows in (1, 2):
-        module = MoE(CFG, ModelOptions(param_dtype=jnp.float32, moe_transport="dense", moe_exchange_windows=windows),
-                     nnx.Rngs(0))
-        with rules.axis_rules(spec.rules()):
-            placed = place_model(module, mesh)
-            with jax.set_mesh(mesh):
-                graphdef, state = nnx.split(placed)
-                fn = lambda state, x, g=graphdef: nnx.merge(g, state)(x)  # noqa: E731
-                exchanges.append(str(jax.make_jaxpr(fn)(state, x)).count("all_to_all["))
-                outs.append(np.asarray(jax.jit(fn)(state, x)))
-    assert exchanges[0] == 2 and exchanges[1] == 4, exchanges
-    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    (one, out_1), (two, out_2) = (_moe_on_folded8(7, moe_exchange_windows=w) for w in (1, 2))
+    assert (one.count("all_to_all["), two.count("all_to_all[")) == (2, 4)
+    np.testing.assert_allclose(out_2, out_1, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="moe_exchange_windows: expected a positive integer"):
         ModelOptions(moe_exchange_windows=0)
 
@@ -115,24 +116,10 @@ def test_exchange_windows_option_reaches_the_exchange():
 def test_node_devices_option_reaches_the_exchange():
     """`ModelOptions.moe_node_devices` (config `model.moe_node_devices`): 4 on 8 devices runs the two-stage exchange
     (all-to-alls among {0,4}, {1,5}, ... and within {0..3}, {4..7}, none over all 8); same output as one stage."""
-    rng = np.random.default_rng(8)
-    x = jnp.asarray(rng.standard_normal((1, 256, CFG.hidden_size)), jnp.float32)
-    spec = parse_mesh("folded=8")
-    mesh = spec.make()
-    outs, groups = [], []
-    for nodes in (0, 4):
-        module = MoE(CFG, ModelOptions(param_dtype=jnp.float32, moe_transport="dense", moe_node_devices=nodes),
-                     nnx.Rngs(0))
-        with rules.axis_rules(spec.rules()):
-            placed = place_model(module, mesh)
-            with jax.set_mesh(mesh):
-                graphdef, state = nnx.split(placed)
-                fn = lambda state, x, g=graphdef: nnx.merge(g, state)(x)  # noqa: E731
-                jaxpr = str(jax.make_jaxpr(fn)(state, x)).replace("\n", " ")
-                groups.append(re.findall(r"all_to_all\[[^\]]*?axis_index_groups=(None|\(\(.*?\)\))", jaxpr))
-                outs.append(np.asarray(jax.jit(fn)(state, x)))
-    assert set(groups[0]) == {"None"}, groups[0]
-    assert set(groups[1]) == {"((0, 4), (1, 5), (2, 6), (3, 7))", "((0, 1, 2, 3), (4, 5, 6, 7))"}, groups[1]
-    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    (flat, out_flat), (nodes, out_nodes) = (_moe_on_folded8(8, moe_node_devices=n) for n in (0, 4))
+    groups = [set(re.findall(r"all_to_all\[[^\]]*?axis_index_groups=(None|\(\(.*?\)\))", j)) for j in (flat, nodes)]
+    assert groups[0] == {"None"}, groups[0]
+    assert groups[1] == {"((0, 4), (1, 5), (2, 6), (3, 7))", "((0, 1, 2, 3), (4, 5, 6, 7))"}, groups[1]
+    np.testing.assert_allclose(out_nodes, out_flat, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="moe_node_devices: expected an integer >= 0"):
         ModelOptions(moe_node_devices=-1)
