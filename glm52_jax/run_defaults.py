@@ -53,7 +53,7 @@ def get_config() -> ml_collections.ConfigDict:
     # re-reads the local experts' weights and launches its own kernels: cheaper where the exchange is fast).
     c.model.moe_exchange_windows = 2
     # Devices of the expert axis that share a node (consecutive on the axis; the dense transport): > 0 sends each
-    # token across the network once per node it has experts on, then to its experts over NVLink; 0 = one exchange.
+    # token across the network once to every other node, then to its experts over NVLink; 0 = one exchange.
     c.model.moe_node_devices = 0
     # How XLA:GPU runs that exchange when it spans hosts (parallel/xla_options.py): "xla" = its multi-host
     # decomposer (supported; all-gathers each round's send rows across hosts: 4x the bytes on 4 hosts), "nccl" =

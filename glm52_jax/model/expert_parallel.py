@@ -58,6 +58,11 @@ column of the rows (exact small numbers in the activation dtype) rather than in 
 queue between a window's rows and the next window's. Windows never go under MIN_CHUNK_ROWS rows per
 destination. Results do not depend on the window count (each pair lies in exactly one window).
 
+Two stages (`node_devices` > 0, dense transport; `_node_body`): where consecutive devices of the expert axis share
+a node, a device's tokens go once to the device of the same local rank on every node, which forwards each pair
+whose expert its node owns over NVLink (the dense exchange above, within the node) and returns one weighted sum per
+token: the network carries a token (nodes - 1) times each way, not once per expert.
+
 Any token count runs expert-parallel (`pad_tokens`): a decode step's few tokens are padded with
 zero-weight tokens to one per token shard, so a device's tokens travel to the experts' owners and
 back and no device ever gathers the expert weights (GSPMD placing `experts_ragged` on sharded
@@ -70,6 +75,7 @@ r LoRA rank.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -240,8 +246,8 @@ def _dense_body(x, weights, experts, w_gate, w_up, w_down, lora_ab, *, lora_scal
         return jax.lax.all_to_all(a, axis, 0, 0, tiled=True, axis_index_groups=groups)
 
     def dispatch(p, b, payload, ints):
-        """Window b of pass p out to the experts' owners -> (received rows [N*h,D], their local ids [N*h], the
-        sorted pair in each sent slot [N,h] (R = none))."""
+        """Window b of pass p out to the experts' owners -> (received: rows [N*h,D] and their local ids [N*h], packed
+        or apart; (the sorted pair in each sent slot [N,h] (R = none), its token [N,h] (L = none)))."""
         x_tokens = payload[0]
         dest, slot, local, token_of = ints
         # Row j of window b's chunk for d is slot p*span + j*blocks + b; pairs outside the window go to the
@@ -553,16 +559,16 @@ def experts_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax
     lora_scales = tuple(None if t is None else t[2] for t in lora_global)
     tok, exp = P(token_axes, None), P(expert_axis, None, None)
     lora_specs = tuple(None if ab is None else (exp, exp) for ab in lora_ab)
-    body = _dense_body if impl == "dense" else _ragged_body
-    stage_kw = dict(node_devices=node_devices) if two_stage else {}
     if two_stage:
-        body = _node_body
+        body = functools.partial(_node_body, node_devices=node_devices)
+    else:
+        body = _dense_body if impl == "dense" else _ragged_body
 
     def per_device(x, weights, experts, w_gate, w_up, w_down, lora_ab):
         def run(x, weights, experts):
             return body(x, weights, experts, w_gate, w_up, w_down, lora_ab, lora_scales=lora_scales, axis=expert_axis,
                         n_dev=n_dev, kernels=kernels, receive_capacity=receive_capacity,
-                        exchange_blocks=exchange_blocks, **stage_kw)
+                        exchange_blocks=exchange_blocks)
 
         local = x.shape[0]
         if token_block is None or local <= token_block:

@@ -231,7 +231,7 @@ def streaming_topk(q: jax.Array, w: jax.Array, k: jax.Array, q_pos: jax.Array, k
         q = q.astype(dtype)  # once per call too, not per key-loop trip (XLA left the cast in the loop body)
 
         def score_block(j, q_blk, w_blk, qpos_blk):
-            scores = kernel_indexer.index_scores(q_blk.astype(dtype), w_blk, qpos_blk, keys, k_pos, j * kb, kb,
+            scores = kernel_indexer.index_scores(q_blk, w_blk, qpos_blk, keys, k_pos, j * kb, kb,
                                                  scale=scale, k_scale=k_scale)
             return scores, j * kb + jnp.arange(kb, dtype=jnp.int32)
     else:
@@ -313,7 +313,7 @@ def cached_topk(q: jax.Array, w: jax.Array, keys: jax.Array, index: tuple, q_pos
         slot_pos = jnp.where(slots < length, slots, jnp.iinfo(jnp.int32).max)  # unwritten slots: never visible
 
         def score_block(j, q_blk, w_blk, qpos_blk):
-            scores = kernel_indexer.index_scores(q_blk.astype(dtype), w_blk, qpos_blk, jax.lax.stop_gradient(keys),
+            scores = kernel_indexer.index_scores(q_blk, w_blk, qpos_blk, jax.lax.stop_gradient(keys),
                                                  slot_pos, j * kb, kb, scale=scale, lead=lead, compute_dtype=dtype,
                                                  k_scale=key_scales, quantize_keys=quantize_keys)
             return scores, j * kb + jnp.arange(kb, dtype=jnp.int32)

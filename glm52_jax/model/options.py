@@ -41,8 +41,9 @@ class ModelOptions:
     1 runs each pass as one synchronous exchange (fewer, larger kernels: each window re-reads the local experts'
     weights).
     `moe_node_devices`: with the dense transport, g > 0 consecutive devices of the expert axis that share a node
-    (NVLink within, the network across): each token then crosses the network once per node it has experts on and
-    reaches its experts there over NVLink (`expert_parallel._node_body`); 0 (default): one exchange over the axis.
+    (NVLink within, the network across): each token then crosses the network once to every other node, not once
+    per expert, and reaches its experts there over NVLink (`expert_parallel._node_body`); 0 (default): one exchange
+    over the axis.
     `gather_weights_min_tokens`: a call (layer stack, logits) that routes fewer tokens than this (static:
     B x S) keeps the FSDP-sharded frozen matrices in place and runs their projections tensor-parallel
     (`parallel.tensor_parallel`: the activations move, not the weights); 0 (default) always gathers.
