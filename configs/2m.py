@@ -45,14 +45,23 @@ def get_config():
     # (prefill, whole prompt): all-to-all bytes across hosts 1,465 -> 379 GB per device, all-to-all 55.7 -> 23.9 s,
     # prefill 274 -> 248 s central (benchmarks/RESULTS.md).
     c.model.moe_node_devices = 8
-    # ... with 1,024 tokens per device per exchange round (glm52_release's 256 sized the one-stage exchange's
-    # buffers): a quarter of the rounds' launches and latencies (prefill 248 -> 238 s central, memory unchanged), and
-    # each destination's chunk within a host averages 512 pairs, so capacity 2 takes a second pass less often.
-    c.model.moe_token_block = 1024
+    # ... with 4,096 tokens per device per exchange round (glm52_release's 256 sized the one-stage exchange's
+    # buffers): a sixteenth of the rounds' launches and latencies (prefill, central: 1,024 tokens 248 -> 238 s; with
+    # FP8 experts 2,048 tokens 203.5 -> 202.6 s, 4,096 with FP8 rows in transit 196.4 -> 196.0 s; memory unchanged),
+    # and each destination's chunk within a host averages 2,048 pairs, so capacity 2 takes a second pass less often.
+    c.model.moe_token_block = 4096
     # ... in one window per round: the deviceless H20 compile overlaps neither stage's all-to-alls with the experts
     # in 2 windows (XLA's scheduler keeps other exchanges and no grouped matmul between a start and its done), and
     # each window costs its own launches: prefill 220.4 s (2 windows) -> 220.0 s, 1.18M -> 0.76M launches.
     c.model.moe_exchange_windows = 1
     c.model.indexer_dtype = "fp8"
     c.model.indexer_candidates = 4096
+    # The routed experts multiply in FP8 (w8a8, DeepSeek-V3's FP8 recipe, as GLM-5's FP8 release is served): each token
+    # row quantized to e4m3 per 128 of its width once at its device and sent so through both exchange stages (6,336
+    # bytes a row against bf16's 12,288), the expert kernels quantized per 128 x 128 block, FP8 MMA on the grouped
+    # matmul (twice bf16's rate); gradients straight through the rows' quantization. The experts are quantized once,
+    # as read (`hf_fp8.EXPERTS`: half their bytes on device). Planned prefill 220.0 -> 196.4 s central (grouped
+    # matmuls 35.5 -> 17.6 s, all-to-all 24.0 -> 18.4 s); accuracy in benchmarks/RESULTS.md
+    # (benchmarks/experts_fp8.py). `--config.model.expert_dtype=bf16` restores bf16 experts.
+    c.model.expert_dtype = "fp8"
     return c

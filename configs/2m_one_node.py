@@ -45,7 +45,7 @@ def get_config():
     # (19.2M launches), with 1 window 367 s (benchmarks/RESULTS.md, session 11).
     c.model.moe_exchange_windows = 1
     c.model.moe_node_devices = 0  # one node: the one-stage exchange, all of it over NVLink
-    # 256 tokens per round (glm52_release's; configs/2m.py's 1,024 sizes its two-stage buffers): this node's prefill
+    # 256 tokens per round (glm52_release's; configs/2m.py's 4,096 sizes its two-stage buffers): this node's prefill
     # runs 134 of 135.7 GB, and the one-stage exchange's buffers grow with the round.
     c.model.moe_token_block = 256
     # The indexer scores in bf16 here. configs/2m.py's FP8 scoring with 4,096 rescored candidates, planned for this
@@ -53,4 +53,9 @@ def get_config():
     # merge and the rescoring's row gathers cost most of what FP8 saves (benchmarks/RESULTS.md, session 14).
     c.model.indexer_dtype = "bf16"
     c.model.indexer_candidates = 0
+    # The routed experts multiply in bf16 (their FP8 base dequantized in the grouped matmul). configs/2m.py's FP8
+    # experts, planned here (session 16): prefill 321.7 -> 326.6 s central. In 256-token rounds the grouped matmuls
+    # are bound by re-reading the local experts' weights every round, not by the tensor cores (32.8 s memory-bound
+    # either way), and quantizing the rows adds 5.5 s of memory kernels and launches.
+    c.model.expert_dtype = "bf16"
     return c

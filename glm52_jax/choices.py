@@ -21,6 +21,7 @@ CACHE_DTYPES = ("auto", "float8_e4m3fn")  # model/cache_fp8.py: decode-cache lat
 # model/indexer.py: what the DSA indexer scores in: bf16 = the parameter dtype (float32 in a float32 model), fp8 = e4m3
 # queries and keys with per-row scales on FP8 tensor cores
 INDEXER_DTYPES = ("bf16", "fp8")
+EXPERT_DTYPES = ("bf16", "fp8")  # what the routed experts multiply in (model.expert_dtype)
 # rl/inputs.py base_fp8: the base weights on device as the checkpoint stores them, or FP8 as the release stores them
 BASE_WEIGHTS = ("stored", "fp8")
 PRESETS = ("tiny", "glm52")  # config.py architectures for `model.checkpoint="random"` and plan mode

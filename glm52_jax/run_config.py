@@ -191,6 +191,7 @@ class ModelSpec(_Section):
     cache_dtype: str = _rules(one_of(choices.CACHE_DTYPES))
     indexer_dtype: str = _rules(one_of(choices.INDEXER_DTYPES))
     indexer_candidates: int = _rules(at_least(0))
+    expert_dtype: str = _rules(one_of(choices.EXPERT_DTYPES))
 
     @property
     def checkpoint_path(self) -> Path | None:

@@ -80,6 +80,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.indexer_dtype = "bf16"  # DSA indexer scoring: bf16 (the parameter dtype) or fp8 (e4m3 + per-row scales)
     # fp8 only: keep FP8's best N keys per query and pick the top-k of them rescored unquantized (0 = FP8's own top-k)
     c.model.indexer_candidates = 0
+    # routed experts' matmuls: bf16 (the parameter dtype) or fp8 (w8a8: e4m3 rows per 128 and kernels per 128 x 128)
+    c.model.expert_dtype = "bf16"
 
     c.data = ml_collections.ConfigDict()
     c.data.path = ""  # DAPO-schema parquet/JSONL; "" = the 75 bundled rows

@@ -32,9 +32,9 @@ def test_configs_override_only_what_they_change():
     base, m2, parity = (flatten(config_spec(n).to_dict()) for n in ("tiny", "2m", "32k_parity"))
     changed_2m = sorted(k for k in base if base[k] != m2[k])
     assert changed_2m == ["data.dedupe", "data.prompt_tokens", "mesh", "model.checkpoint", "model.dtype",
-                          "model.gather_weights_min_tokens", "model.indexer_candidates", "model.indexer_dtype",
-                          "model.moe_exchange_windows", "model.moe_node_devices", "model.moe_receive_capacity",
-                          "model.moe_transport", "model.preset",
+                          "model.expert_dtype", "model.gather_weights_min_tokens", "model.indexer_candidates",
+                          "model.indexer_dtype", "model.moe_exchange_windows", "model.moe_node_devices",
+                          "model.moe_receive_capacity", "model.moe_token_block", "model.moe_transport", "model.preset",
                           "model.rope_scaling_json", "name", "plan.target",
                           "sampling.chunk_size",
                           "sampling.max_new_tokens", "sampling.prefill_mode", "sampling.prefix_cache_mib_per_device",
@@ -43,8 +43,9 @@ def test_configs_override_only_what_they_change():
     # The seed's runs plan for the H20 with XLA's GPU compiler (both share glm52_release); tiny runs plan on CPU.
     assert (base["plan.target"], m2["plan.target"], parity["plan.target"]) == ("cpu", "h20", "h20")
     assert (base["sampling.samples_per_request"], base["model.init_adapter"]) == (0, "")
-    # Parity keeps the one-stage MoE exchange of 256-token rounds in 2 windows (its plan was made so).
-    assert sorted(k for k in m2 if m2[k] != parity[k]) == ["data.prompt_tokens", "model.indexer_candidates",
+    # Parity keeps the one-stage MoE exchange of 256-token rounds in 2 windows (its plan was made so) and bf16 experts.
+    assert sorted(k for k in m2 if m2[k] != parity[k]) == ["data.prompt_tokens", "model.expert_dtype",
+                                                          "model.indexer_candidates",
                                                           "model.indexer_dtype", "model.moe_exchange_windows",
                                                           "model.moe_node_devices", "model.moe_token_block",
                                                           "model.rope_scaling_json", "name",
@@ -60,10 +61,12 @@ def test_one_node_config_is_the_2m_run_on_eight_h200():
     cache, one synchronous EP exchange per pass (NVLink), planned for the H200."""
     m2, one = (flatten(config_spec(n).to_dict()) for n in ("2m", "2m_one_node"))
     assert sorted(k for k in m2 if m2[k] != one[k]) == ["mesh", "model.base_weights", "model.cache_dtype",
-                                                       "model.indexer_candidates", "model.indexer_dtype",
+                                                       "model.expert_dtype", "model.indexer_candidates",
+                                                       "model.indexer_dtype",
                                                        "model.moe_node_devices", "model.moe_token_block", "name",
                                                        "plan.target"]
     assert (one["model.indexer_dtype"], one["model.indexer_candidates"]) == ("bf16", 0)  # as its plan was made
+    assert (m2["model.expert_dtype"], one["model.expert_dtype"]) == ("fp8", "bf16")
     assert (m2["model.moe_exchange_windows"], one["model.moe_exchange_windows"]) == (1, 1)
     assert (m2["model.moe_node_devices"], one["model.moe_node_devices"]) == (8, 0)  # 4 hosts x 8 / one node
     assert one["sampling.prefill_mode"] == "whole"

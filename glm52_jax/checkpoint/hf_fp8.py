@@ -54,19 +54,27 @@ _FLOAT = ("F32", "BF16", "F16", "F64")
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Config:
-    """The checkpoint's `quantization_config`: `block` = weight_block_size (rows, columns of HF's [out, in])."""
+    """The checkpoint's `quantization_config`: `block` = weight_block_size (rows, columns of HF's [out, in]).
+    `only` (ours, never in a checkpoint): when set, a module is quantized only if one of these is a substring of its
+    name (`EXPERTS`)."""
 
     block: tuple[int, int]
     not_convert: tuple[str, ...] = ()
+    only: tuple[str, ...] = ()
 
     def skips(self, module: str) -> bool:
-        """Whether `modules_to_not_convert` names `module` (HF's rule: an entry that is a substring of it)."""
-        return any(entry in module for entry in self.not_convert)
+        """Whether `modules_to_not_convert` names `module` (HF's rule: an entry that is a substring of it), or
+        `only` leaves it out."""
+        return any(entry in module for entry in self.not_convert) or (
+            bool(self.only) and not any(entry in module for entry in self.only))
 
 
 # What an FP8 release of GLM-5 / DeepSeek-V3 quantizes, and how: 128 x 128 blocks on every projection matrix
 # except the indexer's weights_proj, which DeepSeek-V3.2 keeps unquantized (`modules_to_not_convert`).
 RELEASE = Fp8Config((128, 128), ("indexer.weights_proj",))
+# The routed experts alone, as the release quantizes them (`model.expert_dtype="fp8"` on a float base: the kernels FP8
+# experts multiply, quantized once as read instead of in every call; the shared expert and the rest stay float).
+EXPERTS = Fp8Config((128, 128), ("indexer.weights_proj",), only=(".mlp.experts.",))
 
 
 def quantizes(name: str, quant: Fp8Config) -> bool:

@@ -39,6 +39,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from glm52_jax import kernels
+from glm52_jax.kernels import fp8_dot
+from glm52_jax.kernels.indexer import quantize_e4m3
+
+W8A8_BLOCK = 128  # FP8 rows x FP8 kernels: one scale per 128 of a row's K, one per 128 x 128 block of a kernel
 
 
 def _block(dim: int, preferred: int) -> int | None:
@@ -56,6 +60,22 @@ def supported(lhs_shape, rhs_shape, dtype) -> bool:
     k, n = rhs_shape[-2], rhs_shape[-1]
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
             and _block(k, 64) is not None and _block(n, 128) is not None)
+
+
+def w8a8_supported(k: int, n: int, block) -> bool:
+    """Whether `grouped_matmul_w8a8` takes `[K, N]` kernels quantized in `block`s (else: the jnp reference)."""
+    return k % W8A8_BLOCK == 0 and n % W8A8_BLOCK == 0 and tuple(block) == (W8A8_BLOCK, W8A8_BLOCK)
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`x: [M, K]` -> (e4m3 `[M, K]`, float32 scales `[M, ceil(K / 128)]`): each 128-wide block of a row (a partial
+    last one its own) quantized as the FP8 indexer's rows are (`quantize_e4m3`: scale = amax / 448, value =
+    e4m3(x x 1/scale))."""
+    m, k = x.shape
+    blocks = -(-k // W8A8_BLOCK)
+    padded = jnp.pad(x, ((0, 0), (0, blocks * W8A8_BLOCK - k)))  # zeros raise no block's amax
+    values, scales = quantize_e4m3(padded.reshape(m, blocks, W8A8_BLOCK))
+    return values.reshape(m, blocks * W8A8_BLOCK)[:, :k], scales
 
 
 def tile_table(group_sizes: jax.Array, rows: int, block_m: int) -> jax.Array:
@@ -91,10 +111,12 @@ def _precision(dtype):
 
 
 def _kernel(table_ref, lhs_ref, rhs_ref, *refs, num_groups, block_m, block_k, block_n, steps, transpose_rhs,
-            scale_block, dtype):
-    # refs: (scales, out) for an FP8 rhs (scale_block set), else (out,). A tile of group G (`tile_table`: rows past
-    # every group) runs no step and stores zeros.
-    scales_ref, out_ref = (refs[0], refs[1]) if scale_block else (None, refs[0])
+            scale_block, dtype, fp8_rows):
+    # refs: (row scales, scales, out) for FP8 rows times an FP8 rhs (fp8_rows), (scales, out) for an FP8 rhs
+    # dequantized (scale_block set), else (out,). A tile of group G (`tile_table`: rows past every group) runs no
+    # step and stores zeros.
+    row_scales_ref = refs[0] if fp8_rows else None
+    scales_ref, out_ref = (refs[-2], refs[-1]) if scale_block else (None, refs[-1])
     t, j = pl.program_id(0), pl.program_id(1)
     g, first, end = table_ref[0, t], table_ref[1, t], table_ref[2, t]
     rows = first + jnp.arange(block_m, dtype=jnp.int32)
@@ -119,6 +141,18 @@ def _kernel(table_ref, lhs_ref, rhs_ref, *refs, num_groups, block_m, block_k, bl
                                      c // scale_block[1]])
         return (w.astype(jnp.float32) * s).astype(dtype)
 
+    def body_fp8(step, acc):
+        # e4m3 rows x e4m3 kernel block on FP8 tensor cores, float32 sums of one 128-wide K block, then scaled by the
+        # rows' scales of that block and the kernel block's one scale (block_k = block_n = the scale block).
+        ks = step * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        # Unmasked: every lane's row is in range (see above) and a dead lane's sums are never stored (Triton casts
+        # no integer `other` to e4m3).
+        x = plgpu.load(lhs_ref.at[rows[:, None], ks[None, :]])
+        x_scale = plgpu.load(row_scales_ref.at[rows, step])  # [block_m]
+        w = plgpu.load(rhs_ref.at[base + ks[:, None], cols[None, :]])
+        w_scale = scales_ref[g * (scales_ref.shape[0] // num_groups) + step, j]
+        return acc + jnp.dot(x, w, preferred_element_type=jnp.float32) * (x_scale[:, None] * w_scale)
+
     def body(step, acc):
         ks = step * block_k + jnp.arange(block_k, dtype=jnp.int32)
         x = plgpu.load(lhs_ref.at[rows[:, None], ks[None, :]], mask=live[:, None], other=0).astype(dtype)
@@ -131,36 +165,45 @@ def _kernel(table_ref, lhs_ref, rhs_ref, *refs, num_groups, block_m, block_k, bl
 
     # No step for a zero tile nor an unused one (first = end: it stores nothing).
     count = steps * ((g < num_groups) & (end > first)).astype(jnp.int32)
-    acc = jax.lax.fori_loop(0, count, body, jnp.zeros((block_m, block_n), jnp.float32))
+    acc = jax.lax.fori_loop(0, count, body_fp8 if fp8_rows else body, jnp.zeros((block_m, block_n), jnp.float32))
     plgpu.store(out_ref.at[rows[:, None], cols[None, :]], acc.astype(out_ref.dtype), mask=live[:, None])
 
 
 def _call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, block_m, rows_hint, scales=None, scale_block=None,
-          dtype=None):
+          dtype=None, row_scales=None):
     """`lhs: [M, K]`, `rhs: [G, K, N]` (or `[G, N, K]` with transpose_rhs) -> `[M, N]` out_dtype.
 
     FP8: `rhs` e4m3 with `scales: [G, SK, SN]` float32 over blocks `scale_block` of rhs's own last two dims,
-    dequantized to `dtype` in the kernel; else `rhs` is in the compute dtype (`dtype` = rhs.dtype)."""
+    dequantized to `dtype` in the kernel; else `rhs` is in the compute dtype (`dtype` = rhs.dtype). FP8 rows
+    (`row_scales: [M, K / 128]` float32, `lhs` e4m3, `rhs` [G, K, N] e4m3 in 128 x 128 blocks): FP8 MMA."""
     m, k = lhs.shape
     if m < block_m:  # the tile must fit in the rows (see `_kernel`); pad rows belong to no group
-        out = _call(jnp.pad(lhs, ((0, block_m - m), (0, 0))), rhs, group_sizes, transpose_rhs=transpose_rhs,
+        pad = lambda a: None if a is None else jnp.pad(a, ((0, block_m - m), (0, 0)))  # noqa: E731
+        out = _call(pad(lhs), rhs, group_sizes, transpose_rhs=transpose_rhs,
                     out_dtype=out_dtype, block_m=block_m, rows_hint=rows_hint, scales=scales,
-                    scale_block=scale_block, dtype=dtype)
+                    scale_block=scale_block, dtype=dtype, row_scales=pad(row_scales))
         return out[:m]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    block_k, block_n = _block(k, 64), _block(n, 128)
+    fp8_rows = row_scales is not None
+    # FP8 rows: one K step per 128-wide scale block, one output-column block per kernel scale block.
+    block_k, block_n = (W8A8_BLOCK, W8A8_BLOCK) if fp8_rows else (_block(k, 64), _block(n, 128))
     table = tile_table(group_sizes, m, block_m)
     kernel = functools.partial(_kernel, num_groups=rhs.shape[0], block_m=block_m, block_k=block_k,
                                block_n=block_n, steps=k // block_k, transpose_rhs=transpose_rhs,
                                scale_block=None if scales is None else tuple(scale_block),
-                               dtype=jnp.dtype(rhs.dtype if dtype is None else dtype))
+                               dtype=jnp.dtype(rhs.dtype if dtype is None else dtype), fp8_rows=fp8_rows)
     rhs = rhs.reshape(-1, rhs.shape[-1])
-    operands = [table, lhs, rhs]
+    operands = [table, lhs, rhs] + ([row_scales.astype(jnp.float32)] if fp8_rows else [])
     if scales is not None:
         operands.append(scales.astype(jnp.float32).reshape(-1, scales.shape[-1]))
     whole = lambda shape: pl.BlockSpec(shape, lambda t, j: (0,) * len(shape))  # noqa: E731
     rows = min(rows_hint, m)
-    fp8 = "" if scales is None else "_fp8"
+    # Plan mode's classes (plan/kernel_cost.py): `_fp8` marks FP8 MMA (its own efficiency class); a bf16 product of
+    # dequantized FP8 blocks is a grouped matmul like the bf16 kernel's.
+    if fp8_rows:
+        name = f"grouped_matmul_rows{rows}_fp8"
+    else:
+        name = f"grouped_matmul{'' if scales is None else '_dequant'}{'_t' if transpose_rhs else ''}_rows{rows}"
     return pl.pallas_call(
         kernel,
         grid=(table.shape[1], n // block_n),
@@ -173,8 +216,7 @@ def _call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, block_m, rows_hint
         # from it (a worst-case-sized EP receive buffer is mostly empty tiles).
         # The live rows read and written, each group's kernel block read (once per group: its tiles run
         # together; an FP8 kernel's e4m3 bytes and its scales), the other rows written as zeros.
-        name=kernels.traffic_name(f"grouped_matmul{'_t' if transpose_rhs else ''}_rows{rows}{fp8}",
-                                  rows * k * lhs.dtype.itemsize + m * n * jnp.dtype(out_dtype).itemsize
+        name=kernels.traffic_name(name, rows * k * lhs.dtype.itemsize + m * n * jnp.dtype(out_dtype).itemsize
                                   + sum(x.nbytes for x in operands[2:])),
     )(*operands)
 
@@ -225,6 +267,29 @@ def _grouped_fp8_bwd(block_m, rows_hint, scale_block, saved, dy):
 _grouped_fp8.defvjp(_grouped_fp8_fwd, _grouped_fp8_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _grouped_w8a8(lhs, values, scales, group_sizes, block_m, rows_hint):
+    fp8_dot.install()  # e4m3 dots as FP8 wgmma on sm_90a (kernels/fp8_dot.py)
+    x8, x_scales = quantize_rows(lhs)
+    block = (W8A8_BLOCK, W8A8_BLOCK)
+    return _call(x8, values, group_sizes, transpose_rhs=False, out_dtype=jnp.float32, block_m=block_m,
+                 rows_hint=rows_hint, scales=scales, scale_block=block, dtype=lhs.dtype, row_scales=x_scales)
+
+
+def _grouped_w8a8_fwd(lhs, values, scales, group_sizes, block_m, rows_hint):
+    out = _grouped_w8a8(lhs, values, scales, group_sizes, block_m, rows_hint)
+    return out, (jnp.zeros((0,), lhs.dtype), values, scales, group_sizes)
+
+
+def _grouped_w8a8_bwd(block_m, rows_hint, saved, dy):
+    # Straight through the rows' quantization: the rows' gradient is dy times the dequantized kernel, transposed
+    # (`grouped_matmul_fp8`'s backward), as if the forward had multiplied the unquantized rows.
+    return _grouped_fp8_bwd(block_m, rows_hint, (W8A8_BLOCK, W8A8_BLOCK), saved, dy)
+
+
+_grouped_w8a8.defvjp(_grouped_w8a8_fwd, _grouped_w8a8_bwd)
+
+
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, block_m: int = 64,
                    rows_hint: int | None = None) -> jax.Array:
     """`lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=float32)` as a Pallas kernel.
@@ -259,3 +324,37 @@ def grouped_matmul_fp8(lhs: jax.Array, values: jax.Array, scales: jax.Array, blo
         raise ValueError(f"grouped_matmul_fp8: unsupported operands lhs {lhs.shape} rhs {values.shape} {lhs.dtype}")
     return _grouped_fp8(lhs, values, scales, group_sizes.astype(jnp.int32), block_m,
                         lhs.shape[0] if rows_hint is None else rows_hint, tuple(block))
+
+
+def grouped_matmul_w8a8(lhs: jax.Array, values: jax.Array, scales: jax.Array, block: tuple[int, int],
+                        group_sizes: jax.Array, *, block_m: int = 64, rows_hint: int | None = None) -> jax.Array:
+    """FP8 rows times an FP8 kernel on FP8 tensor cores (w8a8, DeepSeek-V3's FP8 recipe for its experts).
+
+    lhs: [M, K] bfloat16 or float32, sorted by group, quantized here per 128-wide block of each row
+    (`quantize_rows`); values: [G, K, N] float8_e4m3fn; scales: [G, K / 128, N / 128] float32 (`block` must be
+    128 x 128, K and N multiples of 128: `w8a8_supported`); group_sizes: [G] int32 -> [M, N] float32:
+    `sum_kb (x8[:, kb] @ w8[g][kb, nb]) * x_scale[:, kb] * w_scale[g, kb, nb]`, each 128-long dot accumulated in
+    float32 (Hopper's reduced-precision FP8 accumulation spans one such dot; `fp8_dot`). Differentiable in lhs,
+    straight through the quantization (the gradient of the product with the unquantized rows); the FP8 kernel is
+    frozen (zero gradients).
+    """
+    g, k, n = values.shape
+    if jnp.dtype(values.dtype) != jnp.dtype(jnp.float8_e4m3fn) or not w8a8_supported(k, n, block) \
+            or tuple(scales.shape) != (g, k // W8A8_BLOCK, n // W8A8_BLOCK) or lhs.shape[-1] != k:
+        raise ValueError(f"grouped_matmul_w8a8: lhs {lhs.shape}, values {values.dtype} {values.shape} with scales "
+                         f"{scales.shape} in blocks {tuple(block)}; expected float8_e4m3fn values, 128 x 128 blocks "
+                         f"and K, N multiples of 128")
+    if jnp.dtype(lhs.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"grouped_matmul_w8a8: lhs must be bfloat16 or float32, got {lhs.dtype}")
+    return _grouped_w8a8(lhs, values, scales, group_sizes.astype(jnp.int32), block_m,
+                         lhs.shape[0] if rows_hint is None else rows_hint)
+
+
+def grouped_matmul_w8a8_rows(values_rows: jax.Array, row_scales: jax.Array, values: jax.Array, scales: jax.Array,
+                             group_sizes: jax.Array, *, block_m: int = 64, rows_hint: int | None = None) -> jax.Array:
+    """`grouped_matmul_w8a8` of rows already quantized (`quantize_rows`: values_rows [M, K] e4m3, row_scales
+    [M, K / 128] float32), e.g. rows that travelled so; not differentiable (e4m3 operands)."""
+    fp8_dot.install()
+    return _call(values_rows, values, group_sizes.astype(jnp.int32), transpose_rhs=False, out_dtype=jnp.float32,
+                 block_m=block_m, rows_hint=values_rows.shape[0] if rows_hint is None else rows_hint, scales=scales,
+                 scale_block=(W8A8_BLOCK, W8A8_BLOCK), dtype=jnp.dtype(jnp.bfloat16), row_scales=row_scales)

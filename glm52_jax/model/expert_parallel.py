@@ -85,7 +85,8 @@ from jax.sharding import PartitionSpec as P
 
 from glm52_jax.choices import MOE_TRANSPORTS
 from glm52_jax.kernels import targets_gpu
-from glm52_jax.model.grouped_mlp import ExpertAdapters, experts_ragged, grouped_swiglu, lora_arrays
+from glm52_jax.model import fp8
+from glm52_jax.model.grouped_mlp import ExpertAdapters, Fp8Rows, experts_ragged, fp8_rows, grouped_swiglu, lora_arrays
 from glm52_jax.model.loop_scopes import PASS_LOOP  # the pass loop's scope, for plan mode's estimate
 from glm52_jax.parallel.rules import logical_to_spec
 
@@ -134,12 +135,16 @@ def _local_experts(rows: jax.Array, local_ids: jax.Array, n_local: int, w_gate, 
     """
     order = jnp.argsort(local_ids, stable=True)
     group_sizes = jnp.bincount(local_ids, length=n_local).astype(jnp.int32)  # id El falls outside `length`
-    y = grouped_swiglu(rows[order], group_sizes, w_gate, w_up, w_down, lora, kernels, rows_hint)
+    sorted_rows = rows[order]
+    out_dtype = rows.dtype
+    if rows.dtype == jnp.uint8:  # FP8 rows as sent (`Fp8Rows.to_bytes`); results in the weights' dtype
+        sorted_rows, out_dtype = Fp8Rows.from_bytes(sorted_rows, w_gate.shape[1]), w_gate.dtype
+    y = grouped_swiglu(sorted_rows, group_sizes, w_gate, w_up, w_down, lora, kernels, rows_hint)
     # Undo the sort: row order[j] of the input is row j of y. Scattered in the rows' dtype (the results travel back
     # in it): float32 zeros, their copy and a float32 scatter before the cast cost 3x the bytes. (A gather by the
     # inverse permutation, fused with the cast, costs less still, but XLA:GPU then scheduled no expert matmul
     # between a window's all-to-all start and done: tests/plan/test_ep_overlap.py.)
-    return jnp.zeros(y.shape, rows.dtype).at[order].set(y.astype(rows.dtype))
+    return jnp.zeros(y.shape, out_dtype).at[order].set(y.astype(out_dtype))
 
 
 def _dispatch_plan(experts: jax.Array, n_local: int, n_dev: int):
@@ -295,8 +300,29 @@ def node_groups(n_dev: int, node_devices: int) -> tuple[list[list[int]], list[li
     return across, within
 
 
-def _node_body(x, weights, experts, w_gate, w_up, w_down, lora_ab, *, lora_scales, axis, n_dev, kernels,
-               receive_capacity=0.0, exchange_blocks=2, node_devices):
+def _node_body(x, weights, experts, w_gate, w_up, w_down, lora_ab, **static):
+    """`_node_exchange` (the two-stage exchange); FP8 experts (`fp8.Fp8MmaWeight`) take their rows as they travel:
+    quantized once per token at its device (`Fp8Rows`, 6,336 bytes a GLM-5.2 row against bf16's 12,288), the same
+    numbers the experts would quantize on arrival. Its backward is the VJP of the exchange of the float rows (the
+    same forward values, straight through the quantization, as `grouped_mlp` differentiates FP8 experts)."""
+    args = (x, weights, experts, w_gate, w_up, w_down, lora_ab)
+    if not isinstance(w_gate, fp8.Fp8MmaWeight):
+        return _node_exchange(*args, **static)
+
+    @jax.custom_vjp
+    def run(*args):
+        return _node_exchange(*args, **static, fp8_transit=True)
+
+    def bwd(saved, ct):
+        _, vjp = jax.vjp(lambda *a: _node_exchange(*a, **static), *saved)
+        return vjp(ct)
+
+    run.defvjp(lambda *args: (run(*args), args), bwd)
+    return run(*args)
+
+
+def _node_exchange(x, weights, experts, w_gate, w_up, w_down, lora_ab, *, lora_scales, axis, n_dev, kernels,
+                   receive_capacity=0.0, exchange_blocks=2, node_devices, fp8_transit=False):
     """Per-device body of the two-stage exchange (`node_devices` consecutive devices of the expert axis share a
     node: NVLink within, the network across).
 
@@ -307,8 +333,12 @@ def _node_body(x, weights, experts, w_gate, w_up, w_down, lora_ab, *, lora_scale
     per-node partial sums come back across in one all_to_all and add up at the token's device. On 4 nodes with top-8
     routing a device's rows cross the network 3 times each way per token, against 2 x K x (N - g) / N = 12 rows per
     token for the one-stage dense exchange at capacity 2 (`receive_capacity`). Windows (`exchange_blocks`) split
-    the tokens, software-pipelined: window b+1's rows leave before window b's experts run."""
+    the tokens, software-pipelined: window b+1's rows leave before window b's experts run. fp8_transit: the rows
+    travel as FP8 rows' bytes (`Fp8Rows.to_bytes`) through both stages (FP8 experts only: `_node_body`)."""
     tokens, k = experts.shape
+    out_dtype = x.dtype
+    if fp8_transit:
+        x = fp8_rows(x).to_bytes()  # [L, D + 4 * ceil(D / 128)] uint8
     n_local = w_gate.shape[0]
     nodes = n_dev // node_devices
     across, within = node_groups(n_dev, node_devices)
@@ -350,7 +380,7 @@ def _node_body(x, weights, experts, w_gate, w_up, w_down, lora_ab, *, lora_scale
         rows, route = inflight
         if b + 1 < blocks:  # the next window's rows leave before this window's experts start
             inflight = dispatch(b + 1)
-        partial = experts_of_node(rows, route).astype(x.dtype)  # sums travel back in the activations' dtype
+        partial = experts_of_node(rows, route).astype(out_dtype)  # sums travel back in the activations' dtype
         back = across_nodes(partial.reshape(nodes, span, -1))  # [nodes, span, D]: each node's part of my tokens
         outs.append(back.astype(jnp.float32).sum(0))
     return jnp.concatenate(outs)[:tokens]
@@ -363,19 +393,26 @@ def _blocks(capacity: int, wanted: int, floor: int) -> int:
 
 
 def _ids_ride_along(dtype, n_local: int) -> bool:
-    """Whether local expert ids 0..El travel as one more column of the rows (exact in `dtype`): one collective
-    per window instead of two (XLA:GPU keeps one all-to-all in flight at a time, so a separate ids exchange would
-    queue between a window's rows and the next window's)."""
+    """Whether local expert ids 0..El travel as more columns of the rows (exact in `dtype`; FP8 rows' bytes take
+    the id's 4): one collective per window instead of two (XLA:GPU keeps one all-to-all in flight at a time, so a
+    separate ids exchange would queue between a window's rows and the next window's)."""
+    if dtype == jnp.uint8:
+        return True
     return jnp.issubdtype(dtype, jnp.floating) and n_local <= 2 ** (jnp.finfo(dtype).nmant + 1)
 
 
 def _pack(rows: jax.Array, ids: jax.Array) -> jax.Array:
-    """`rows: [...,D]`, `ids: [...]` int -> `[...,D+1]` in the rows' dtype (the ids as exact small numbers)."""
+    """`rows: [...,D]`, `ids: [...]` int -> `[...,D+1]` in the rows' dtype (the ids as exact small numbers), or
+    `[...,D+4]` for byte rows (the int32 id's bytes)."""
+    if rows.dtype == jnp.uint8:
+        return jnp.concatenate([rows, jax.lax.bitcast_convert_type(ids.astype(jnp.int32), jnp.uint8)], axis=-1)
     return jnp.concatenate([rows, ids[..., None].astype(rows.dtype)], axis=-1)
 
 
 def _unpack(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Inverse of `_pack`: `[...,D+1]` -> (rows `[...,D]`, ids `[...]` int32)."""
+    """Inverse of `_pack`: -> (rows `[...,D]`, ids `[...]` int32)."""
+    if packed.dtype == jnp.uint8:
+        return packed[..., :-4], jax.lax.bitcast_convert_type(packed[..., -4:], jnp.int32)
     return packed[..., :-1], packed[..., -1].astype(jnp.int32)
 
 

@@ -60,6 +60,26 @@ class Fp8Weight:
         return len(self.values.shape)
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("values", "scales"),
+                   meta_fields=("block", "dtype"))
+@dataclasses.dataclass(frozen=True)
+class Fp8MmaWeight(Fp8Weight):
+    """An `Fp8Weight` multiplied on FP8 tensor cores (`model.expert_dtype="fp8"`, w8a8): the rows it multiplies are
+    quantized to e4m3 too (`grouped_mlp`), rather than it being dequantized to `dtype`. `dense` still dequantizes
+    it (it is an `Fp8Weight`)."""
+
+
+def for_fp8_mma(weight, block: tuple[int, int] = (128, 128)) -> Fp8MmaWeight:
+    """An expert stack `[E, in, out]` as an `Fp8MmaWeight` in `block`s of its last two dims: an FP8 base's values and
+    scales as stored when its block is `block`, anything else quantized by `quantize` (a float weight by the
+    releases' rule; an FP8 weight in other blocks dequantized first)."""
+    if isinstance(weight, Fp8Weight) and tuple(weight.block) == tuple(block):
+        return Fp8MmaWeight(weight.values, weight.scales, weight.block, weight.dtype)
+    w = jax.lax.stop_gradient(dense(weight))  # frozen: only the LoRA adapters train
+    q = quantize(w, block)
+    return Fp8MmaWeight(q.values, q.scales, q.block, q.dtype)
+
+
 def scale_shape(shape: tuple[int, ...], block: tuple[int, ...]) -> tuple[int, ...]:
     """The scale grid of a weight of `shape` with `block` on its trailing dims (a partial block counts)."""
     lead = len(shape) - len(block)

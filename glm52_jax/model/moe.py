@@ -23,6 +23,7 @@ from flax import nnx
 
 from glm52_jax.config import ModelConfig
 from glm52_jax.model import context_parallel as context
+from glm52_jax.model import fp8
 from glm52_jax.model.expert_parallel import experts_ep, pad_tokens, token_shards
 from glm52_jax.model.grouped_mlp import experts_ragged
 from glm52_jax.model.layers import param, project
@@ -91,6 +92,7 @@ class MoE(nnx.Module):
         self.receive_capacity = opts.moe_receive_capacity
         self.exchange_windows = opts.moe_exchange_windows
         self.node_devices = opts.moe_node_devices
+        self.fp8_experts = opts.expert_dtype == "fp8"
         self.router = param(rngs, (d, e), ("embed", None), jnp.float32)
         self.e_score_correction_bias = param(None, (e,), (None,), jnp.float32, init="zeros")
         self.w_gate = param(rngs, (e, d, i), ("experts", "embed", "expert_mlp"), dt)
@@ -107,23 +109,26 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """`x: [B,S,D] -> [B,S,D]`."""
+        # Arrays, or `fp8.Fp8Weight`s that `grouped_swiglu` dequantizes on the experts it runs (EP: the local ones).
+        expert_weights = (self.w_gate.get_value(), self.w_up.get_value(), self.w_down.get_value())
+        if self.fp8_experts:  # w8a8: quantized once per call here (each expert where it lives), not per block or round
+            expert_weights = tuple(fp8.for_fp8_mma(w) for w in expert_weights)
         lay = context.current()
         if lay is not None and (blocks := context.whole_blocks(x.shape[1], lay.ways)) > 1:
             # A long whole-sequence CP forward: the exchange's float32 output for every local token (6 GiB at
             # 262,144 tokens per device) exists for one block at a time. Each block holds whole rounds of
             # `token_block` tokens of every device, so the rounds (and their passes) are the unblocked ones.
             xs = context.split_blocks(x, 1, lay.ways, blocks)
-            return context.join_blocks(jax.lax.map(self._experts, xs), 1, lay.ways, blocks)
-        return self._experts(x)
+            ys = jax.lax.map(lambda xb: self._experts(xb, expert_weights), xs)
+            return context.join_blocks(ys, 1, lay.ways, blocks)
+        return self._experts(x, expert_weights)
 
-    def _experts(self, x: jax.Array) -> jax.Array:
+    def _experts(self, x: jax.Array, expert_weights) -> jax.Array:
         batch, seq, d = x.shape
         flat = x.reshape(-1, d)
         # float32 router through `project` (a few tokens' call keeps it in place, as the other weights)
         logits = project(flat.astype(jnp.float32), self.router, "td,de->te")
         weights, experts = route(self.cfg, logits, self.e_score_correction_bias[...])
-        # Arrays, or `fp8.Fp8Weight`s that `grouped_swiglu` dequantizes on the experts it runs (EP: the local ones).
-        expert_weights = (self.w_gate.get_value(), self.w_up.get_value(), self.w_down.get_value())
         lora = (self.w_gate_lora, self.w_up_lora, self.w_down_lora)
         shards = token_shards(self.cfg.n_routed_experts)
         if shards:

@@ -6,7 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from glm52_jax.choices import CACHE_DTYPES, INDEXER_DTYPES, KERNELS, MOE_TRANSPORTS
+from glm52_jax.choices import CACHE_DTYPES, EXPERT_DTYPES, INDEXER_DTYPES, KERNELS, MOE_TRANSPORTS
 from glm52_jax.model.lora import LoRAConfig
 
 
@@ -59,6 +59,11 @@ class ModelOptions:
     `indexer_candidates`: with "fp8", M > 0 (more than the config's index_topk) keeps FP8's best M keys per query
     and selects the top-k of them rescored unquantized, bf16 scoring's selection wherever bf16's top-k ranks within
     FP8's top M (`model.indexer`; q and k are then not rotated); 0 (default): FP8's own top-k. Ignored with "bf16".
+    `expert_dtype`: what the routed experts multiply in (`model.grouped_mlp`): "bf16" (default: the parameter dtype;
+    an FP8 base's blocks dequantized to it) or "fp8" (w8a8, DeepSeek-V3's FP8 recipe: each row quantized to e4m3 per
+    128 of its width, the expert kernels e4m3 in 128 x 128 blocks, an FP8 base's as stored, a float base's quantized
+    in the program by the releases' rule; FP8 MMA on the grouped-matmul kernel). Gradients pass straight through
+    the rows' quantization; the LoRA deltas, the router and the shared expert are unchanged.
     `latent_norm_eps`: the epsilon of the MLA q / kv latent RMSNorms; None (default) is HF glm_moe_dsa's 1e-6
     (`model.mla.LATENT_NORM_EPS`). megatron-core, vLLM and HF's glm5_next use the config's rms_norm_eps there
     (docs/DESIGN.md, parity); no checkpoint records which one a model was trained with.
@@ -81,6 +86,7 @@ class ModelOptions:
     cache_dtype: str = "auto"
     indexer_dtype: str = "bf16"
     indexer_candidates: int = 0
+    expert_dtype: str = "bf16"
     latent_norm_eps: float | None = None
 
     def __post_init__(self):
@@ -110,6 +116,8 @@ class ModelOptions:
         if self.indexer_dtype not in INDEXER_DTYPES:
             raise ValueError(f"ModelOptions.indexer_dtype: expected one of {INDEXER_DTYPES}, "
                              f"got {self.indexer_dtype!r}")
+        if self.expert_dtype not in EXPERT_DTYPES:
+            raise ValueError(f"ModelOptions.expert_dtype: expected one of {EXPERT_DTYPES}, got {self.expert_dtype!r}")
         cands = self.indexer_candidates
         if isinstance(cands, bool) or not isinstance(cands, int) or cands < 0:
             raise ValueError(f"ModelOptions.indexer_candidates: expected an int >= 0, got {cands!r}")

@@ -49,7 +49,7 @@ DATASHEETS = {
 }
 # The probes whose class a calibration fits (the others, the whole-model forwards, are only compared).
 FITTED = ("gemm", "dsa_index_scores", "dsa_topk_select", "sparse_mla_forward", "sparse_mla_backward",
-          "grouped_matmul")
+          "grouped_matmul", "grouped_matmul_fp8")
 
 
 def target_of(device_kind: str) -> str:
@@ -140,7 +140,7 @@ def _probe_by_name(name: str, meta: dict[str, Any]):
         "sparse_mla_forward_backward": lambda: probes.sparse_mla(
             *(meta[k] for k in ("queries", "keys", "heads", "latent", "rope", "topk")), backward=True),
         "grouped_matmul": lambda: probes.grouped_matmul(meta["rows"], meta["experts"], meta["k"], meta["n"],
-                                                        meta.get("fp8", False)),
+                                                        meta.get("fp8", False), meta.get("w8a8", False)),
         "launch_loop": lambda: probes.launch_loop(meta["iterations"]),
         "forward": lambda: probes.forward(meta["tokens"], meta["kernels"], meta.get("hf_config")),
     }

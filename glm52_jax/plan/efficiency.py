@@ -21,7 +21,7 @@ from typing import Any
 
 SCENARIOS = ("optimistic", "central", "pessimistic")
 FLOP_CLASSES = ("gemm", "gemm_fp8", "dsa_index_scores", "dsa_index_scores_fp8", "sparse_mla_forward",
-                "sparse_mla_backward", "grouped_matmul")
+                "sparse_mla_backward", "grouped_matmul", "grouped_matmul_fp8")
 MEMORY_CLASSES = ("sparse_mla_segment_sum", "dsa_topk_select", "sort", "pallas_other", "memory")
 CLASSES = FLOP_CLASSES + MEMORY_CLASSES
 PEAKS = ("bf16_flops_per_s", "fp8_flops_per_s", "hbm_bytes_per_s", "nvlink_bytes_per_s", "network_bytes_per_s",

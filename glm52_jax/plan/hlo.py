@@ -273,7 +273,7 @@ def _conv_flops(ins: Instr, shapes: dict[str, str]) -> float:
 
 
 # The grouped-matmul Pallas kernel's name (in the op_name metadata) carries its live rows.
-_GROUPED_KERNEL = re.compile(r'op_name="[^"]*grouped_matmul(?:_t)?_rows(\d+)')
+_GROUPED_KERNEL = re.compile(r'op_name="[^"]*grouped_matmul(?:_dequant)?(?:_t)?_rows(\d+)')
 # A Pallas kernel's name may carry the HBM bytes one call moves (kernels.traffic_name).
 KERNEL_BYTES = re.compile(r'op_name="[^"]*_bytes(\d+)/')
 # ... and the FLOPs one call does (kernels.traffic_name(..., flops=)).

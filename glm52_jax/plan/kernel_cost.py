@@ -54,7 +54,7 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _PALLAS_NAME = re.compile(r"/([A-Za-z_]+?)(?:_rows\d+)?(_fp8)?(?:_flops\d+)?(?:_bytes\d+)?/pallas_call")
 # A kernel named NAME_fp8 is class NAME_fp8 where that class exists (the FP8 indexer scores), else NAME's.
 _PALLAS_CLASSES = ("dsa_index_scores_fp8", "dsa_index_scores", "dsa_topk_select", "sparse_mla_forward",
-                   "sparse_mla_backward", "sparse_mla_segment_sum", "grouped_matmul")
+                   "sparse_mla_backward", "sparse_mla_segment_sum", "grouped_matmul_fp8", "grouped_matmul")
 _GEMM_OPS = frozenset({"dot", "convolution"})
 _CALLS = re.compile(r"\b(?:calls|to_apply)=%?([^\s,}]+)")
 _CALLEE_ROLES = re.compile(r"\b(condition|body|calls|to_apply|true_computation|false_computation)=%?([^\s,}]+)")

@@ -9,7 +9,8 @@ the same program is timed on a lent GPU and compiled deviceless for the estimate
   dsa_topk_select           one radix-select merge of a 512 x 8,192 score block into a running top-2048
   sparse_mla_forward        2,048 queries x top-2048 of 32,768 keys, 64 heads, C 512 + R 64
   sparse_mla_forward_backward  the same, forward + the gradients of q and the rows (the backward classes)
-  grouped_matmul[_fp8]      16,384 rows over 32 experts of [2,048, 6,144] (GLM-5.2's expert shapes), bf16 / FP8
+  grouped_matmul[_fp8|_w8a8] 16,384 rows over 32 experts of [2,048, 6,144] (GLM-5.2's expert shapes), bf16 / FP8
+                            kernel dequantized / FP8 rows x FP8 kernel (class grouped_matmul_fp8)
   launch_loop               a data-dependent loop of 4,096 tiny iterations: the launch floor + a sync each
   forward_{kernels}_{L}     the bench model's token_logprobs (the h200 measurement's config) at L tokens
 
@@ -175,7 +176,12 @@ def sparse_mla(queries: int = 2048, keys: int = 32768, heads: int = 64, latent: 
                  flops=forward_flops, meta=meta)
 
 
-def grouped_matmul(rows: int = 16384, experts: int = 32, k: int = 6144, n: int = 2048, fp8: bool = False) -> Probe:
+def grouped_matmul(rows: int = 16384, experts: int = 32, k: int = 6144, n: int = 2048, fp8: bool = False,
+                   w8a8: bool = False) -> Probe:
+    """The routed experts' kernel: bf16, an FP8 kernel dequantized as loaded (`fp8`), or FP8 rows times FP8 kernels
+    on FP8 MMA (`w8a8`: class grouped_matmul_fp8, model.expert_dtype=fp8)."""
+    fp8 = fp8 or w8a8
+
     def make():
         import jax
         import jax.numpy as jnp
@@ -192,12 +198,15 @@ def grouped_matmul(rows: int = 16384, experts: int = 32, k: int = 6144, n: int =
             scales = jnp.abs(_normal(c, (experts, -(-k // 128), -(-n // 128)), jnp.float32)) * 1e-3 + 1e-3
             return x, _normal(b, (experts, k, n), jnp.float8_e4m3fn), scales
 
+        if w8a8:
+            return (lambda x, v, s: gm.grouped_matmul_w8a8(x, v, s, (128, 128), sizes)), inputs
         if fp8:
             return (lambda x, v, s: gm.grouped_matmul_fp8(x, v, s, (128, 128), sizes)), inputs
         return (lambda x, w: gm.grouped_matmul(x, w, sizes)), inputs
 
-    return Probe(f"grouped_matmul{'_fp8' if fp8 else ''}", "grouped_matmul", make, flops=2.0 * rows * k * n,
-                 meta={"rows": rows, "experts": experts, "k": k, "n": n, "fp8": fp8})
+    name = "grouped_matmul" + ("_w8a8" if w8a8 else "_fp8" if fp8 else "")
+    return Probe(name, "grouped_matmul_fp8" if w8a8 else "grouped_matmul", make, flops=2.0 * rows * k * n,
+                 meta={"rows": rows, "experts": experts, "k": k, "n": n, "fp8": fp8, "w8a8": w8a8})
 
 
 def launch_loop(iterations: int = 4096) -> Probe:
@@ -273,9 +282,10 @@ def calibration_probes(smoke: bool = False) -> list[Probe]:
     if smoke:
         return [gemm(256), index_scores(64, 512, 2, 16), topk_select(16, 256, 32),
                 sparse_mla(16, 256, 4, 32, 16, 32), sparse_mla(16, 256, 4, 32, 16, 32, backward=True),
-                grouped_matmul(256, 4, 128, 128), launch_loop(16), forward(256, "reference")]
+                grouped_matmul(256, 4, 128, 128), grouped_matmul(256, 4, 128, 128, w8a8=True), launch_loop(16),
+                forward(256, "reference")]
     return [gemm(), index_scores(), topk_select(), sparse_mla(), sparse_mla(backward=True), grouped_matmul(),
-            grouped_matmul(fp8=True), launch_loop(),
+            grouped_matmul(fp8=True), grouped_matmul(w8a8=True), launch_loop(),
             *[forward(n, k) for k in ("reference", "pallas") for n in (4096, 16384, 65536)],
             forward(131072, "pallas")]
 

@@ -82,7 +82,8 @@ def _base_format(model: dict[str, Any]) -> str:
     base = model.get("base_weights") or {}
     if base.get("format") != "float8_e4m3fn":
         return ""
-    return f", FP8 base ({'x'.join(map(str, base['block']))} blocks, {base['fp8_params']} parameters)"
+    what = "FP8 routed experts" if base.get("only") else "FP8 base"
+    return f", {what} ({'x'.join(map(str, base['block']))} blocks, {base['fp8_params']} parameters)"
 
 
 def format_plan(report: dict[str, Any]) -> str:

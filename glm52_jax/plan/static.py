@@ -81,6 +81,7 @@ def base_weights_record(base: nnx.State, dtype, fp8) -> dict[str, Any]:
         return {"format": str(dtype)}
     held = [v.get_value() for _, v in nnx.to_flat_state(base) if isinstance(v.get_value(), Fp8Weight)]
     return {"format": "float8_e4m3fn", "block": list(fp8.block), "not_convert": list(fp8.not_convert),
+            "only": list(fp8.only),
             "other_dtype": str(dtype), "fp8_params": len(held), "fp8_elements": sum(math.prod(w.shape) for w in held),
             "fp8_bytes_per_device": tree_bytes(held, True)}
 
@@ -106,7 +107,8 @@ def static_report(s: PlanSetup, mesh_spec, lora, dtype, base_fp8=None) -> dict[s
                                                       "param_dtype": str(lora.param_dtype)},
                    "options": {k: getattr(s.opts, k) for k in ("indexer_query_block", "indexer_key_block",
                                                                 "attention_query_block", "remat", "cache_dtype",
-                                                                "indexer_dtype", "indexer_candidates")}},
+                                                                "indexer_dtype", "indexer_candidates",
+                                                                "expert_dtype")}},
         "model": {"layers": s.cfg.num_hidden_layers,
                   "param_count": sum(math.prod(shape) for shape in shapes),
                   "param_bytes": tree_bytes(base, False), "param_bytes_per_device": tree_bytes(base, True),

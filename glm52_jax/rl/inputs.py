@@ -57,13 +57,17 @@ def _checkpoint_config(model: ModelSpec):
 def base_fp8(model: ModelSpec):
     """The FP8 format of the run's base weights on device (`checkpoint.hf_fp8.Fp8Config`), or None (every weight
     in `model.dtype`): a local FP8 checkpoint's own quantization_config (it loads as stored); else, for
-    `model.base_weights="fp8"`, the release's (`hf_fp8.RELEASE`: 128 x 128 blocks, weights_proj left out)."""
-    from glm52_jax.checkpoint.hf_fp8 import RELEASE
+    `model.base_weights="fp8"`, the release's (`hf_fp8.RELEASE`: 128 x 128 blocks, weights_proj left out); else,
+    for `model.expert_dtype="fp8"`, the routed experts alone in the release's blocks (`hf_fp8.EXPERTS`: the numbers
+    FP8 experts multiply, quantized once as read; in half the bytes of bf16)."""
+    from glm52_jax.checkpoint.hf_fp8 import EXPERTS, RELEASE
 
     stored = _checkpoint_config(model)
     if stored is not None and stored[1] is not None:
         return stored[1]
-    return RELEASE if model.base_weights == "fp8" else None
+    if model.base_weights == "fp8":
+        return RELEASE
+    return EXPERTS if model.expert_dtype == "fp8" else None
 
 
 def native_model_config(model: ModelSpec, *, preset_without_checkpoint: bool = False):

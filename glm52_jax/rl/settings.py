@@ -20,14 +20,15 @@ def lora_config(model: ModelSpec):
 
 def model_options(model: ModelSpec):
     """`ModelOptions` of the base model: parameter dtype, kernels, the MoE exchange, the cache and indexer
-    dtypes (the rest at their defaults)."""
+    dtypes, the experts' matmul dtype (the rest at their defaults)."""
     from glm52_jax.model.options import ModelOptions
 
     return ModelOptions(param_dtype=model.jnp_dtype(), kernels=model.kernels, moe_transport=model.moe_transport,
                         moe_token_block=model.moe_token_block, moe_receive_capacity=model.moe_receive_capacity,
                         moe_exchange_windows=model.moe_exchange_windows, moe_node_devices=model.moe_node_devices,
                         gather_weights_min_tokens=model.gather_weights_min_tokens, cache_dtype=model.cache_dtype,
-                        indexer_dtype=model.indexer_dtype, indexer_candidates=model.indexer_candidates)
+                        indexer_dtype=model.indexer_dtype, indexer_candidates=model.indexer_candidates,
+                        expert_dtype=model.expert_dtype)
 
 
 def loss_settings(train: TrainSpec):

@@ -267,6 +267,30 @@ def test_quantize_on_load_gives_the_fp8_checkpoints_weights(tmp_path, block, mes
         _assert_same(stored[key], want[key], key)
 
 
+def test_routed_experts_alone_quantized_on_load(tmp_path):
+    """`hf_fp8.EXPERTS` (model.expert_dtype="fp8" on a float base): only the routed experts' three stacks are FP8
+    (the release's values and scales for them), everything else as stored; the model with FP8 experts then gives the
+    logits of the float load quantizing its experts in the program (the same rule, 128 x 128 blocks)."""
+    assert hf_fp8.quantizes("model.layers.3.mlp.experts.7.gate_proj.weight", hf_fp8.EXPERTS)
+    for other in ("model.layers.3.mlp.shared_experts.gate_proj.weight", "model.layers.3.self_attn.q_a_proj.weight",
+                  "model.layers.0.mlp.down_proj.weight"):
+        assert not hf_fp8.quantizes(other, hf_fp8.EXPERTS)
+    tensors = fc.random_tensors(CFG, seed=2)
+    float_dir = fc.write(tmp_path / "float", CFG, tensors)
+    opts = dataclasses.replace(OPTS, expert_dtype="fp8")
+    got = glm52_jax.load_pretrained(float_dir, dtype=jnp.float32, options=opts, fp8=hf_fp8.EXPERTS)
+    release = flat_values(glm52_jax.load_pretrained(float_dir, dtype=jnp.float32,
+                                                    fp8=hf_fp8.Fp8Config((128, 128), hf_fp8.RELEASE.not_convert)))
+    held = {key: v for key, v in flat_values(got).items() if isinstance(v, fp8.Fp8Weight)}
+    assert sorted(key[-1] for key in held) == ["w_down", "w_gate", "w_up"]
+    for key, value in held.items():
+        _assert_same(value, release[key], key)
+    per_call = glm52_jax.load_pretrained(float_dir, dtype=jnp.float32, options=opts)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, (1, 24)), jnp.int32)
+    want = np.asarray(per_call(ids))
+    np.testing.assert_allclose(np.asarray(got(ids)), want, rtol=LOGIT_RTOL, atol=LOGIT_RTOL * np.abs(want).max())
+
+
 def test_quantize_on_load_needs_per_expert_tensors(tmp_path):
     tensors = fc.random_tensors(CFG, seed=1)
     for layer in range(CFG.num_hidden_layers):

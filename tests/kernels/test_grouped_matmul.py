@@ -5,16 +5,19 @@ routed-expert paths that use it (`grouped_swiglu` with kernels="pallas", the blo
 delta), and one deviceless sm_90a compile: no dense `[M, G, K]` expansion (XLA's ragged_dot lowering
 holds 768 MiB of temporaries for these shapes; the kernel ~0). FP8 kernels (`grouped_matmul_fp8`,
 dequantized block by block inside the kernel): the same numbers as the kernel on `fp8.dense`'s weights, bit
-for bit, and no dequantized copy of the experts in the sm_90a compile.
+for bit, and no dequantized copy of the experts in the sm_90a compile. FP8 rows times FP8 kernels
+(`grouped_matmul_w8a8`, `model.expert_dtype=fp8`): a numpy oracle of the same quantisation, gradients straight
+through it, `grouped_swiglu`'s reference (`ragged_w8a8`), and an e4m3 wgmma in the sm_90a compile.
 """
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
 from glm52_jax.kernels import aot
-from glm52_jax.kernels.grouped_matmul import grouped_matmul, grouped_matmul_fp8, tile_table
+from glm52_jax.kernels.grouped_matmul import grouped_matmul, grouped_matmul_fp8, grouped_matmul_w8a8, tile_table
 from glm52_jax.model import fp8
 from glm52_jax.model.grouped_mlp import blockdiag_lora_delta, grouped_swiglu, ragged_lora_delta, row_groups
 
@@ -211,7 +214,112 @@ def test_fp8_kernel_compiles_for_sm90a_without_a_dequantized_copy():
 
     c, ref = (aot.compile_for_gpu(f, *args, target="h200") for f in (in_kernel, first))
     assert c.memory["temp"] < 1 << 20 <= e * d * i * 2 <= ref.memory["temp"], (c.memory, ref.memory)
-    k = c.kernels[f"grouped_matmul_rows{m}_fp8"]
+    k = c.kernels[f"grouped_matmul_dequant_rows{m}"]
     assert k.shared_memory <= 232_448 and k.spill_bytes in (0, None), k
     moved = [traffic(x.compiled.as_text(), [0])["memory_bytes_executed"] for x in (c, ref)]
     assert 2 * moved[0] < moved[1], moved
+
+
+def _w8a8_oracle(x, values, scales, sizes):
+    """numpy FP8 rows x FP8 kernels: each 128-wide block of a row quantized (scale amax / 448, 1 for a zero block;
+    value e4m3(x x float32 1/scale), ml_dtypes), every 128 x 128 block's dot of e4m3 values summed exactly (float64)
+    and scaled by the row block's and the kernel block's scales; rows past the groups zero."""
+    x = np.asarray(x, np.float32)
+    m, k = x.shape
+    blocks = x.reshape(m, k // 128, 128)
+    amax = np.abs(blocks).max(axis=-1)
+    x_scale = np.where(amax > 0, amax * np.float32(1.0 / 448.0), np.float32(1.0)).astype(np.float32)
+    x8 = (blocks * (np.float32(1.0) / x_scale)[..., None]).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    w8 = np.asarray(values).astype(np.float64)
+    w_scale = np.asarray(scales, np.float64)
+    out = np.zeros((m, w8.shape[-1]))
+    start = 0
+    for g, size in enumerate(sizes):
+        rows = slice(start, start + size)
+        for kb in range(k // 128):
+            dots = x8[rows, kb] @ w8[g, kb * 128:(kb + 1) * 128]  # [rows, N]
+            out[rows] += dots * x_scale[rows, kb, None] * np.repeat(w_scale[g, kb], 128)[None, :]
+        start += size
+    return out
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_w8a8_kernel_equals_a_numpy_oracle_of_the_same_quantisation(dtype):
+    """FP8 rows x FP8 kernels (interpret mode): a group with no rows, rows past every group (zeros), K = 2 x 128 and
+    N = 3 x 128 blocks, a row block of zeros (scale 1): equal to the oracle to float32 rounding of the sums."""
+    rng = np.random.default_rng(11)
+    sizes = (50, 0, 120)
+    x = _normal(rng, 200, 256, dtype=dtype)
+    x = x.at[7, :128].set(0.0)
+    w = fp8.quantize(_normal(rng, 3, 256, 384) * 0.05, (128, 128))
+    got = np.asarray(jax.jit(lambda x: grouped_matmul_w8a8(x, w.values, w.scales, w.block, jnp.array(sizes)))(x))
+    want = _w8a8_oracle(x, w.values, w.scales, sizes)
+    assert got.dtype == np.float32 and np.abs(want).max() > 1.0
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    assert not got[sum(sizes):].any()
+    # FP8's distance from the unquantized product: e4m3 rounding of both operands (a few %), not a wrong block.
+    exact = np.asarray(grouped_matmul(x.astype(jnp.float32), fp8.dense(fp8.Fp8Weight(
+        w.values, w.scales, w.block, jnp.dtype(jnp.float32))), jnp.array(sizes)))
+    assert 0.005 < np.linalg.norm(got - exact) / np.linalg.norm(exact) < 0.06
+
+
+def test_w8a8_gradient_passes_straight_through_the_quantisation():
+    """The rows' gradient is the dequantized kernel's (as if the rows were not quantized: `grouped_matmul_fp8`'s
+    backward, bit for bit); the FP8 kernel gets zeros (frozen)."""
+    rng = np.random.default_rng(12)
+    gs = jnp.array([30, 0, 70], jnp.int32)
+    w = fp8.quantize(_normal(rng, 3, 128, 256) * 0.05, (128, 128), jnp.bfloat16)
+    x, cot = _normal(rng, 128, 128, dtype=jnp.bfloat16), _normal(rng, 128, 256)
+    d_x, d_values, d_scales = jax.jit(jax.grad(lambda x, v, s: jnp.sum(grouped_matmul_w8a8(x, v, s, w.block, gs) * cot),
+                                               (0, 1, 2)))(x, w.values, w.scales)
+    want = jax.grad(lambda x: jnp.sum(grouped_matmul_fp8(x, w.values, w.scales, w.block, gs) * cot))(x)
+    assert float(jnp.abs(want.astype(jnp.float32)).max()) > 0
+    np.testing.assert_array_equal(np.asarray(d_x, np.float32), np.asarray(want, np.float32))
+    assert not np.asarray(d_values, np.float32).any() and not np.asarray(d_scales).any()
+
+
+def test_w8a8_kernel_refuses_other_blocks():
+    rng = np.random.default_rng(0)
+    w = fp8.quantize(_normal(rng, 2, 128, 128), (64, 128))
+    with pytest.raises(ValueError, match=r"blocks \(64, 128\); expected float8_e4m3fn values, 128 x 128 blocks"):
+        grouped_matmul_w8a8(_normal(rng, 8, 128), w.values, w.scales, w.block, jnp.array([3, 5], jnp.int32))
+
+
+def test_swiglu_with_fp8_mma_experts_on_the_kernel_equals_the_reference():
+    """`grouped_swiglu` with `fp8.Fp8MmaWeight` experts (model.expert_dtype=fp8), float32 rows: the w8a8 kernel
+    (kernels="pallas") against `ragged_w8a8` on lax.ragged_dot ("reference"): outputs, row and LoRA gradients."""
+    rng = np.random.default_rng(5)
+    e, d, i, r, m = 3, 256, 128, 4, 64
+    gs = jnp.array([20, 0, 33], jnp.int32)
+    w = tuple(fp8.for_fp8_mma(_normal(rng, e, a, b) * 0.05) for a, b in ((d, i), (d, i), (i, d)))
+    assert all(isinstance(x, fp8.Fp8MmaWeight) and x.block == (128, 128) for x in w)
+    lora = [(_normal(rng, e, a, r) / 5, _normal(rng, e, r, b) / 5) for a, b in ((d, i), (d, i), (i, d))]
+    xs, cot = _normal(rng, m, d), _normal(rng, m, d)
+
+    def loss(xs, lora, kernels):
+        arrays = tuple((a, b, 2.0) for a, b in lora)
+        return jnp.sum(grouped_swiglu(xs, gs, *w, arrays, kernels=kernels) * cot)
+
+    got = jax.jit(jax.value_and_grad(lambda *a: loss(*a, "pallas"), (0, 1)))(xs, lora)
+    ref = jax.value_and_grad(lambda *a: loss(*a, "reference"), (0, 1))(xs, lora)
+    assert float(jnp.abs(ref[0])) > 0.1
+    for g, rr in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        assert float(jnp.abs(rr).max()) > 0
+        np.testing.assert_allclose(np.asarray(g), np.asarray(rr), rtol=2e-5, atol=2e-5 * float(jnp.abs(rr).max()))
+
+
+@pytest.mark.skipif(aot.missing() is not None, reason=f"deviceless GPU compiles: {aot.missing()}")
+def test_w8a8_kernel_compiles_to_fp8_wgmma_for_the_h20():
+    """GLM-5.2's expert shapes (6144 -> 2048, 8 local experts at EP 32), 1,024 rows, H20: the kernel's dot is Hopper's
+    e4m3 x e4m3 wgmma (FP8 MMA, twice bf16's rate; `kernels/fp8_dot.py`), in shared memory, no spills."""
+    sd = jax.ShapeDtypeStruct
+    m, d, i, e = 1024, 6144, 2048, 8
+
+    def fn(x, values, scales, gs):
+        return grouped_matmul_w8a8(x, values, scales, (128, 128), gs)
+
+    c = aot.compile_for_gpu(fn, sd((m, d), jnp.bfloat16), sd((e, d, i), fp8.E4M3),
+                            sd((e, d // 128, i // 128), jnp.float32), sd((e,), jnp.int32), target="h20")
+    k = c.kernels[f"grouped_matmul_rows{m}_fp8"]
+    assert k.shared_memory <= 232_448 and k.spill_bytes in (0, None), k
+    assert len(k.mma) == 1 and k.mma[0].startswith("wgmma.mma_async") and k.mma[0].endswith(".f32.e4m3.e4m3"), k

@@ -155,17 +155,20 @@ def test_the_pass_loop_takes_each_scenarios_passes():
 
 
 def test_pallas_kernels_are_their_own_class():
-    """A Pallas kernel's class is its name; NAME_fp8 is its own class where one exists (the FP8 indexer scores),
-    else NAME's (grouped_matmul_fp8 is a grouped matmul)."""
-    names = {"s": "sparse_mla_forward", "i": "dsa_index_scores_fp8", "g": "grouped_matmul_fp8"}
-    calls = "".join(f'  %{v} = f32[8]{{0}} custom-call(%x), custom_call_target="__gpu$xla.gpu.triton", '
+    """A Pallas kernel's class is its name; NAME_fp8 is its own class where one exists (FP8 MMA: the FP8 indexer
+    scores, the grouped matmul of FP8 rows), else NAME's (sparse_mla_forward_fp8 is a sparse-MLA forward); a grouped
+    matmul of dequantized FP8 blocks is a grouped matmul."""
+    names = {"s": "sparse_mla_forward", "i": "dsa_index_scores_fp8", "g": "grouped_matmul_rows64_fp8",
+             "d": "grouped_matmul_dequant_rows64", "m": "sparse_mla_forward_fp8"}
+    calls = "".join(f'  %{v} = f32[8]{{0}} custom-call(%x, %x), custom_call_target="__gpu$xla.gpu.triton", '
                     f'metadata={{op_name="jit(f)/{name}_flops1000_bytes64/pallas_call"}}\n' for v, name in names.items())
     text = MODULE.replace('  ROOT %r = bf16[512,1024]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_dot',
                           "  %x = f32[8]{0} constant({1,2,3,4,5,6,7,8})\n" + calls +
                           "  ROOT %r = bf16[512,1024]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_dot")
     kernels = {k.name: k for k in kernel_cost.Program(text, HOSTS).work({}).kernels}
     assert (kernels["s"].kind, kernels["s"].flops, kernels["s"].bytes) == ("sparse_mla_forward", 1000, 64)
-    assert (kernels["i"].kind, kernels["g"].kind) == ("dsa_index_scores_fp8", "grouped_matmul")
+    assert [kernels[k].kind for k in "igdm"] == ["dsa_index_scores_fp8", "grouped_matmul_fp8", "grouped_matmul",
+                                                 "sparse_mla_forward"]
     fast = dataclasses.replace(RATES, launch_floor_s=0.0)
     assert kernel_cost.kernel_seconds(kernels["s"], fast) == (pytest.approx(1000 / 5e11), "compute")
 

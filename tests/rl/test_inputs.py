@@ -89,14 +89,18 @@ def test_a_broken_checkpoint_template_is_a_one_line_config_error(tmp_path, templ
 
 def test_base_weights_format(tmp_path):
     """`base_fp8`: None for weights as stored in a float checkpoint; the release's 128 x 128 format for
-    base_weights="fp8" (also on a random init); a local FP8 checkpoint's own format whatever the key says. Its
+    base_weights="fp8" (also on a random init); the routed experts alone for expert_dtype="fp8"; a local FP8
+    checkpoint's own format whatever the key says. Its
     quantization_config is the weights' format, not the model's (the run's model config has none); a malformed
     one is a one-line config error naming the flag."""
-    from glm52_jax.checkpoint.hf_fp8 import RELEASE, Fp8Config
+    from glm52_jax.checkpoint.hf_fp8 import EXPERTS, RELEASE, Fp8Config
     from glm52_jax.rl.inputs import base_fp8, native_model_config
 
     assert base_fp8(_spec().model) is None
     assert base_fp8(_spec(**{"model.base_weights": "fp8"}).model) == RELEASE
+    # FP8 experts on a float base: the routed experts alone, quantized as read (the whole release wins where asked).
+    assert base_fp8(_spec(**{"model.expert_dtype": "fp8"}).model) == EXPERTS
+    assert base_fp8(_spec(**{"model.expert_dtype": "fp8", "model.base_weights": "fp8"}).model) == RELEASE
     assert base_fp8(_spec(**{"model.checkpoint": "random", "model.base_weights": "fp8"}).model) == RELEASE
     ckpt = _checkpoint(tmp_path)
     raw = json.loads((ckpt / "config.json").read_text())
