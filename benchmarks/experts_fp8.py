@@ -103,24 +103,9 @@ def policy(rows: list[int], prompt_tokens: int = 256, steps: int = 16, chunk: in
 
 
 def parity() -> dict:
-    from benchmarks.fp8_cache import flat_grads, variant_gradients
-    from glm52_jax.model.lora import LoRAConfig
-    from glm52_jax.model.options import ModelOptions
+    from benchmarks.fp8_cache import option_parity
 
-    options = {d: ModelOptions(param_dtype=jnp.float32, indexer_query_block=16, indexer_key_block=16,
-                               attention_query_block=8, lora=LoRAConfig(rank=4, alpha=8.0), expert_dtype=d)
-               for d in ("bf16", "fp8")}
-    grads = {key: flat_grads(result)
-             for key, result in variant_gradients(options, ("conventional", "shared_prefix")).items()}
-
-    def compare(a, b):
-        return {"rel_l2": float(np.linalg.norm(a - b) / np.linalg.norm(b)),
-                "cosine": round(float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)), 9)}
-
-    out = {f"{d}: shared_prefix vs conventional": compare(grads[d, "shared_prefix"], grads[d, "conventional"])
-           for d in ("bf16", "fp8")}
-    out["conventional: fp8 vs bf16"] = compare(grads["fp8", "conventional"], grads["bf16", "conventional"])
-    return out
+    return option_parity("expert_dtype")
 
 
 def main() -> None:

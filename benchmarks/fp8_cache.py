@@ -193,6 +193,29 @@ def flat_grads(result) -> np.ndarray:
     return np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(result.grads)])
 
 
+def option_parity(field: str) -> dict:
+    """GRPO LoRA gradients of shared_prefix against conventional (the parity receipt's pair) on `gradient_case`'s
+    float32 model, within each value "bf16" / "fp8" of the `ModelOptions` field (rel-L2, cosine), and the "fp8"
+    model's conventional gradients against "bf16"'s (benchmarks/indexer_fp8.py, benchmarks/experts_fp8.py)."""
+    from glm52_jax.model.lora import LoRAConfig
+    from glm52_jax.model.options import ModelOptions
+
+    options = {d: ModelOptions(param_dtype=jnp.float32, indexer_query_block=16, indexer_key_block=16,
+                               attention_query_block=8, lora=LoRAConfig(rank=4, alpha=8.0), **{field: d})
+               for d in ("bf16", "fp8")}
+    grads = {key: flat_grads(result)
+             for key, result in variant_gradients(options, ("conventional", "shared_prefix")).items()}
+
+    def compare(a, b):
+        return {"rel_l2": float(np.linalg.norm(a - b) / np.linalg.norm(b)),
+                "cosine": round(float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)), 9)}
+
+    out = {f"{d}: shared_prefix vs conventional": compare(grads[d, "shared_prefix"], grads[d, "conventional"])
+           for d in ("bf16", "fp8")}
+    out["conventional: fp8 vs bf16"] = compare(grads["fp8", "conventional"], grads["bf16", "conventional"])
+    return out
+
+
 def gradient_agreement() -> dict:
     """LoRA gradients (cosine, relative L2) and new log-probs (max |d|) of the FP8 option against "auto"."""
     from glm52_jax.model.lora import LoRAConfig

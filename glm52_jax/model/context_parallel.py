@@ -165,9 +165,29 @@ def pad_sequence(ids: jax.Array, positions: jax.Array, lay: Layout) -> tuple[jax
 
 # -- the attention core --------------------------------------------------------------------------
 
+def gather_key_side(lay: Layout, c_kv, k_rope, positions, index_k=None):
+    """Every device's key side in sequence order, replicated (what `cp_sparse_attention` gathers per call): (key
+    positions [L], index keys [B,L,I] or None, c_kv [B,L,C], k_rope [B,L,R]) from their layout-ordered shards. A
+    caller that attends several query blocks to the same keys gathers them once (`mla.Attention._whole_in_blocks`:
+    the 2M prefill's 4 blocks per layer gathered the 2 GiB latent stack 4 times)."""
+    axes = lay.axes
+    seq_spec, pos_spec = P(None, axes), P(axes)
+
+    def per_device(c_kv, k_rope, positions, index_k):
+        def gather(x, axis):
+            return from_layout(jax.lax.all_gather(x, axes, axis=axis, tiled=True), lay, axis=axis)
+
+        return (gather(positions, 0), None if index_k is None else gather(index_k, 1), gather(c_kv, 1),
+                gather(k_rope, 1))
+
+    fn = jax.shard_map(per_device, in_specs=(seq_spec, seq_spec, pos_spec, None if index_k is None else seq_spec),
+                       out_specs=P(), axis_names=frozenset(axes), check_vma=False)  # every device: the same keys
+    return fn(c_kv, k_rope, positions, index_k)
+
+
 def cp_sparse_attention(lay: Layout, q_lat, q_rope, c_kv, k_rope, positions, index, prev_topk, *,
                         index_topk: int, index_scale: float, softmax_scale: float, indexer_blocks: dict,
-                        attention_query_block: int, kernels: str = "reference", q_positions=None):
+                        attention_query_block: int, kernels: str = "reference", q_positions=None, keys=None):
     """Sparse MLA of sharded queries over all-gathered keys, in the layout's order.
 
     q_lat: [B,L,H,C], q_rope: [B,L,H,R], c_kv: [B,L,C], k_rope: [B,L,R], positions: [L] (all in
@@ -176,7 +196,8 @@ def cp_sparse_attention(lay: Layout, q_lat, q_rope, c_kv, k_rope, positions, ind
     block sizes, kernels and score dtype (`streaming_topk` keywords). Returns (out_lat [B,L,H,C],
     top-k [B,L,K] of key indices in sequence order). With `q_positions: [Q]` (sharded like `positions`)
     the query side (q_lat, q_rope, iq, iw, prev_topk) is Q tokens at those positions, a block of each
-    device's queries (`mla.Attention._whole_in_blocks`), and the key side is still all L tokens.
+    device's queries (`mla.Attention._whole_in_blocks`), and the key side is still all L tokens; `keys`: that key
+    side already gathered (`gather_key_side`; c_kv, k_rope and the index's keys are then not read).
     """
     axes = lay.axes
     seq_spec = P(None, axes)
@@ -185,15 +206,18 @@ def cp_sparse_attention(lay: Layout, q_lat, q_rope, c_kv, k_rope, positions, ind
     def gather_keys(x, axis):  # every device's shard, back in sequence order
         return from_layout(jax.lax.all_gather(x, axes, axis=axis, tiled=True), lay, axis=axis)
 
-    def per_device(q_lat, q_rope, c_kv, k_rope, positions, index, prev_topk, q_positions):
-        key_pos = gather_keys(positions, 0)
+    def per_device(q_lat, q_rope, c_kv, k_rope, positions, index, prev_topk, q_positions, keys):
+        if keys is None:
+            keys = (gather_keys(positions, 0), None if index is None else gather_keys(index[2], 1),
+                    gather_keys(c_kv, 1), gather_keys(k_rope, 1))
+        key_pos, all_ik, all_c_kv, all_k_rope = keys
         if index is not None:
-            iq, iw, ik = index
-            topk = streaming_topk(iq, iw, gather_keys(ik, 1), positions if q_positions is None else q_positions,
+            iq, iw, _ = index
+            topk = streaming_topk(iq, iw, all_ik, positions if q_positions is None else q_positions,
                                   key_pos, index_topk, scale=index_scale, **indexer_blocks)
         else:
             topk = prev_topk
-        rows = array_rows(gather_keys(c_kv, 1), gather_keys(k_rope, 1))
+        rows = array_rows(all_c_kv, all_k_rope)
         out = sparse_mla_rows(q_lat, q_rope, rows, topk, scale=softmax_scale, query_block=attention_query_block,
                               kernels=kernels)
         return out, topk
@@ -201,12 +225,13 @@ def cp_sparse_attention(lay: Layout, q_lat, q_rope, c_kv, k_rope, positions, ind
     index_specs = None if index is None else (seq_spec, seq_spec, seq_spec)
     topk_spec = None if prev_topk is None else seq_spec
     fn = jax.shard_map(per_device, in_specs=(seq_spec, seq_spec, seq_spec, seq_spec, pos_spec, index_specs, topk_spec,
-                                             None if q_positions is None else pos_spec),
+                                             None if q_positions is None else pos_spec, None if keys is None else P()),
                        out_specs=(seq_spec, seq_spec), axis_names=frozenset(axes),
                        # The indexer's and attention's loops start from constants; every input and
-                       # output is sharded on `axes`, so varying-axis typing adds nothing here.
+                       # output is sharded on `axes` (or, gathered keys, replicated), so varying-axis typing adds
+                       # nothing here.
                        check_vma=False)
-    return fn(q_lat, q_rope, c_kv, k_rope, positions, index, prev_topk, q_positions)
+    return fn(q_lat, q_rope, c_kv, k_rope, positions, index, prev_topk, q_positions, keys)
 
 
 # -- chunks against a sequence-sharded cache (decode, prefill chunks) --------------------------------

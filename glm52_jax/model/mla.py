@@ -153,8 +153,10 @@ class Attention(nnx.Module):
         """A long whole-sequence forward's attention, q_b .. o_proj, in blocks of `context.WHOLE_QUERY_BLOCK`
         queries per device (a `lax.map`): each block's queries are its devices' next `WHOLE_QUERY_BLOCK` each, against
         every key, so the absorbed query and the attention's output ([T,H,C] per device, float32 out of the GEMM: 34 GB
-        at 262,144 tokens per device) exist for one block at a time. Same results as the unblocked path."""
+        at 262,144 tokens per device) exist for one block at a time. The key side is gathered once, before the blocks
+        (`context.gather_key_side`). Same results as the unblocked path."""
         ways = layout.ways
+        keys = context.gather_key_side(layout, c_kv, k_rope, positions, None if index is None else index[2])
         nb = context.whole_blocks(q_resid.shape[1], ways)
         split = lambda a, axis: context.split_blocks(a, axis, ways, nb)  # noqa: E731
 
@@ -173,7 +175,7 @@ class Attention(nnx.Module):
                 layout, q_lat, q_rope, c_kv, k_rope, positions, None if qi is None else (*qi, index[2]), prev,
                 index_topk=self.cfg.index_topk, index_scale=iscale, softmax_scale=self.cfg.softmax_scale,
                 indexer_blocks=blocks, attention_query_block=self.opts.attention_query_block,
-                kernels=self.opts.kernels, q_positions=q_positions)
+                kernels=self.opts.kernels, q_positions=q_positions, keys=keys)
             return self._output(out_lat), topk
 
         y, topk = jax.lax.map(one, xs)

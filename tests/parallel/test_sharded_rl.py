@@ -288,6 +288,20 @@ def test_explicit_context_parallel_layouts(model, reference_forward, layout, spe
     _assert_same_topk_sets(topk[0], topk_ref[0])
 
 
+def _gathers_in_maps(jaxpr, length: int, inside: bool = False) -> int:
+    """all_gather equations inside a scan of `length` trips (a `lax.map` over that many blocks), nested bodies too."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += int(inside and eqn.primitive.name == "all_gather")
+        here = inside or (eqn.primitive.name == "scan" and eqn.params.get("length") == length)
+        for param in eqn.params.values():
+            for p in (param if isinstance(param, (list, tuple)) else [param]):
+                inner = getattr(p, "jaxpr", p)
+                if hasattr(inner, "eqns"):
+                    count += _gathers_in_maps(inner, length, here)
+    return count
+
+
 @pytest.mark.parametrize("spec", MESHES)
 def test_whole_prompt_prefill_is_context_parallel_and_matches_chunked(model, prompt, reference_sampling, spec,
                                                                       monkeypatch):
@@ -307,10 +321,13 @@ def test_whole_prompt_prefill_is_context_parallel_and_matches_chunked(model, pro
         with jax.set_mesh(mesh):
             cache, h_last, _ = sampler.prefill(prompt, CAPACITY)
             assert sampler.prefill_calls == 1  # one program for the whole prompt
-            jaxpr = str(jax.make_jaxpr(lambda st, ids: nnx.merge(sampler.graphdef, st).prefill(ids, CAPACITY))(
-                sampler.state, jnp.asarray(prompt, jnp.int32)[None]))
+            closed = jax.make_jaxpr(lambda st, ids: nnx.merge(sampler.graphdef, st).prefill(ids, CAPACITY))(
+                sampler.state, jnp.asarray(prompt, jnp.int32)[None])
+            jaxpr = str(closed)
             assert "shard_map" in jaxpr and "all_gather" in jaxpr  # the explicit CP forward ran
             assert context_parallel.whole_blocks(48, 8 if spec == "folded=8" else 4) == (3 if spec == "folded=8" else 1)
+            if spec == "folded=8":  # the key side is gathered once per layer, before the blocks, not in each block
+                assert _gathers_in_maps(closed.jaxpr, length=3) == 0
             sampler.prefix_cache.clear()
             out = sampler.sample(prompt, GREEDY)
     assert int(cache.length) == P
