@@ -38,8 +38,9 @@ def get_config():
     # values, float32 sums) and the top-2048 of them is the selection (`model.indexer`). On a random GLM-5.2-width
     # indexer bf16's top-2048 reached at most rank 2,837 / 3,524 of FP8's order at 64K / 2M keys (FP8's own top-2048
     # kept 0.962 / 0.942 of it); selection overlap with bf16 1.0 at 4K-64K keys, and on the tiny policy 1.0 with
-    # greedy tokens unchanged (benchmarks/indexer_fp8.py, RESULTS.md). Modeled first candidate 277.6 s central, 337.6
-    # with `--config.model.indexer_dtype=bf16` (bf16 scoring throughout).
+    # greedy tokens unchanged (benchmarks/indexer_fp8.py, RESULTS.md). Modeled first candidate (session 14) 277.6 s
+    # central, 337.6 with `--config.model.indexer_dtype=bf16` (bf16 scoring throughout); with everything below, 193.9 s
+    # (session 16: benchmarks/results/plan_2m_h20.json).
     # The MoE exchange in two stages (4 hosts x 8 GPUs): a token crosses the network once to each other host, not
     # once per expert, and reaches its experts' GPUs over NVLink; each host's weighted sum comes back once. Planned
     # (prefill, whole prompt): all-to-all bytes across hosts 1,465 -> 379 GB per device, all-to-all 55.7 -> 23.9 s,

@@ -35,10 +35,10 @@ def get_config():
     # prefix cache's 16 GiB per device (configs/2m.py) keeps it: the next candidate recomputes only its tail.
     c.model.cache_dtype = "float8_e4m3fn"
     # Whole-prompt prefill (configs/2m.py's), the lower estimate: one context-parallel forward whose attention, MLPs
-    # and MoE run in 16,384-token blocks per device (context_parallel.WHOLE_QUERY_BLOCK) fits (134.2 of 135.7 GB)
+    # and MoE run in 16,384-token blocks per device (context_parallel.WHOLE_QUERY_BLOCK) fits (134.7 of 135.7 GB)
     # and is modeled at 363 s central (322-652 s) against 128 x 14.5 s = 1,856 s for 16K chunks (127.6 GB, planned at
     # 38859220a9: benchmarks/results/plan_2m_one_node_h200_chunked.json). Every program planned in this mode in
-    # session 15 (first candidate 325.3 s central; session 11: 370.7): benchmarks/results/plan_2m_one_node_h200.json.
+    # session 16 (first candidate 315.3 s central; session 11: 370.7): benchmarks/results/plan_2m_one_node_h200.json.
     # One synchronous EP exchange per pass, not 2 software-pipelined windows (the default): over one
     # node's NVLink the all-to-all is short (23 s of the prefill) and nothing hid it, while each window re-reads the
     # local experts' weights and launches its own kernels: planned with 2 windows the prefill was 424.6 s central
