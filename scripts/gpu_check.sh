@@ -4,7 +4,8 @@
 #   1. the DSA kernels against the jnp references on the GPU (benchmarks.kernels_gpu, section check)
 #   2. python -m glm52_jax.plan.calibrate measure: times every probe the efficiency table rests on (bf16 GEMM on
 #      random data, the indexer scoring kernel, the radix-select merge, sparse MLA forward and backward, the
-#      grouped-matmul kernel in bf16 and FP8, a data-dependent loop for the launch floor, the bench-model forward
+#      grouped-matmul kernel in bf16, on FP8 kernels and on FP8 rows x FP8 kernels (model.expert_dtype=fp8, class
+#      grouped_matmul_fp8), a data-dependent loop for the launch floor, the bench-model forward
 #      at 4K-128K with kernels=reference and pallas) -> $OUT/measurements.json
 #   3. python -m glm52_jax.plan.calibrate table: a new efficiency table from those times
 #      ($OUT/efficiency_table.json) and every probe's estimate against its time ($OUT/comparison.json)
