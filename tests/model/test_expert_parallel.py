@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from glm52_jax.model import expert_parallel
+from glm52_jax.model import expert_parallel, fp8
 from glm52_jax.model.expert_parallel import default_axes, experts_ep
 from glm52_jax.model.grouped_mlp import experts_ragged
 from glm52_jax.model.lora import LoRAConfig, adapter
@@ -336,6 +336,39 @@ def test_node_exchange_matches_experts_ragged(monkeypatch, nodes, k, skewed, cap
     ep = functools.partial(experts_ep, impl="dense", node_devices=nodes, receive_capacity=capacity,
                            exchange_blocks=blocks)
     _check(_problem(k, skewed, seed=21), "folded8", ep)
+
+
+def test_fp8_rows_in_transit_match_experts_ragged(monkeypatch):
+    """FP8 experts (`fp8.Fp8MmaWeight`) on the two-stage exchange, rows sent as FP8 bytes (uint8 all-to-alls), every
+    pair to one device (passes within its node) in 3 windows: the output and the x / LoRA gradients as the one-device
+    `experts_ragged` on the same FP8 experts (float32; straight through the rows' quantization in both)."""
+    monkeypatch.setattr(expert_parallel, "MIN_CHUNK_ROWS", 1)
+    prob = _problem(4, True, seed=22)
+    w8 = tuple(fp8.for_fp8_mma(w) for w in prob["w"])
+
+    def loss_fn(fn):
+        def loss(x, lora_state):
+            out = fn(x, prob["weights"], prob["experts"], *w8, nnx.merge(prob["graphdef"], lora_state).trio())
+            return jnp.sum(out * prob["cot"]), out
+
+        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+
+    (_, ref), ref_grads = jax.jit(loss_fn(experts_ragged))(prob["x"], prob["lora_state"])
+    ep = functools.partial(experts_ep, impl="dense", node_devices=2, receive_capacity=1.0, exchange_blocks=3)
+    spec, axis, _ = MESHES["folded8"]
+    mesh = spec.make()
+    with rules.axis_rules(spec.rules()):
+        put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
+        x = put(prob["x"], P(rules.logical_to_spec(("seq",), mesh_axes=mesh.axis_names)[0]))
+        lora_state = jax.tree.map(lambda a: put(a, P(axis)), prob["lora_state"])
+        with jax.set_mesh(mesh):
+            (_, out), grads = jax.jit(loss_fn(ep))(x, lora_state)
+            jaxpr = str(jax.make_jaxpr(loss_fn(ep))(x, lora_state))
+    assert re.search(r"u8\[[\d,]+\] = all_to_all", jaxpr)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        scale = float(jnp.max(jnp.abs(r)))
+        assert scale > 0 and float(jnp.max(jnp.abs(g - r))) <= 1e-6 * scale
 
 
 def test_node_exchange_crosses_nodes_once_per_token():
