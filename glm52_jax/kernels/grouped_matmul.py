@@ -267,24 +267,30 @@ def _grouped_fp8_bwd(block_m, rows_hint, scale_block, saved, dy):
 _grouped_fp8.defvjp(_grouped_fp8_fwd, _grouped_fp8_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _grouped_w8a8(lhs, values, scales, group_sizes, block_m, rows_hint):
+def _w8a8_call(x8, x_scales, values, scales, group_sizes, block_m, rows_hint):
+    """The FP8 MMA kernel on rows already quantized (`quantize_rows`) -> [M, N] float32."""
     fp8_dot.install()  # e4m3 dots as FP8 wgmma on sm_90a (kernels/fp8_dot.py)
-    x8, x_scales = quantize_rows(lhs)
-    block = (W8A8_BLOCK, W8A8_BLOCK)
     return _call(x8, values, group_sizes, transpose_rhs=False, out_dtype=jnp.float32, block_m=block_m,
-                 rows_hint=rows_hint, scales=scales, scale_block=block, dtype=lhs.dtype, row_scales=x_scales)
+                 rows_hint=rows_hint, scales=scales, scale_block=(W8A8_BLOCK, W8A8_BLOCK), row_scales=x_scales)
 
 
-def _grouped_w8a8_fwd(lhs, values, scales, group_sizes, block_m, rows_hint):
-    out = _grouped_w8a8(lhs, values, scales, group_sizes, block_m, rows_hint)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _grouped_w8a8(lhs, x8, x_scales, values, scales, group_sizes, block_m, rows_hint):
+    # `lhs`: the unquantized rows (x8, x_scales: their quantization), whose gradient the backward gives.
+    return _w8a8_call(x8, x_scales, values, scales, group_sizes, block_m, rows_hint)
+
+
+def _grouped_w8a8_fwd(lhs, x8, x_scales, values, scales, group_sizes, block_m, rows_hint):
+    out = _grouped_w8a8(lhs, x8, x_scales, values, scales, group_sizes, block_m, rows_hint)
     return out, (jnp.zeros((0,), lhs.dtype), values, scales, group_sizes)
 
 
 def _grouped_w8a8_bwd(block_m, rows_hint, saved, dy):
     # Straight through the rows' quantization: the rows' gradient is dy times the dequantized kernel, transposed
-    # (`grouped_matmul_fp8`'s backward), as if the forward had multiplied the unquantized rows.
-    return _grouped_fp8_bwd(block_m, rows_hint, (W8A8_BLOCK, W8A8_BLOCK), saved, dy)
+    # (`grouped_matmul_fp8`'s backward), as if the forward had multiplied the unquantized rows; none to their
+    # quantized form.
+    d_lhs, d_values, d_scales, _ = _grouped_fp8_bwd(block_m, rows_hint, (W8A8_BLOCK, W8A8_BLOCK), saved, dy)
+    return d_lhs, None, None, d_values, d_scales, None
 
 
 _grouped_w8a8.defvjp(_grouped_w8a8_fwd, _grouped_w8a8_bwd)
@@ -327,7 +333,8 @@ def grouped_matmul_fp8(lhs: jax.Array, values: jax.Array, scales: jax.Array, blo
 
 
 def grouped_matmul_w8a8(lhs: jax.Array, values: jax.Array, scales: jax.Array, block: tuple[int, int],
-                        group_sizes: jax.Array, *, block_m: int = 64, rows_hint: int | None = None) -> jax.Array:
+                        group_sizes: jax.Array, *, block_m: int = 64, rows_hint: int | None = None,
+                        quantized: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """FP8 rows times an FP8 kernel on FP8 tensor cores (w8a8, DeepSeek-V3's FP8 recipe for its experts).
 
     lhs: [M, K] bfloat16 or float32, sorted by group, quantized here per 128-wide block of each row
@@ -336,7 +343,7 @@ def grouped_matmul_w8a8(lhs: jax.Array, values: jax.Array, scales: jax.Array, bl
     `sum_kb (x8[:, kb] @ w8[g][kb, nb]) * x_scale[:, kb] * w_scale[g, kb, nb]`, each 128-long dot accumulated in
     float32 (Hopper's reduced-precision FP8 accumulation spans one such dot; `fp8_dot`). Differentiable in lhs,
     straight through the quantization (the gradient of the product with the unquantized rows); the FP8 kernel is
-    frozen (zero gradients).
+    frozen (zero gradients). `quantized`: lhs's `quantize_rows`, when the caller has it already.
     """
     g, k, n = values.shape
     if jnp.dtype(values.dtype) != jnp.dtype(jnp.float8_e4m3fn) or not w8a8_supported(k, n, block) \
@@ -346,7 +353,8 @@ def grouped_matmul_w8a8(lhs: jax.Array, values: jax.Array, scales: jax.Array, bl
                          f"and K, N multiples of 128")
     if jnp.dtype(lhs.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
         raise ValueError(f"grouped_matmul_w8a8: lhs must be bfloat16 or float32, got {lhs.dtype}")
-    return _grouped_w8a8(lhs, values, scales, group_sizes.astype(jnp.int32), block_m,
+    x8, x_scales = quantize_rows(jax.lax.stop_gradient(lhs)) if quantized is None else quantized
+    return _grouped_w8a8(lhs, x8, x_scales, values, scales, group_sizes.astype(jnp.int32), block_m,
                          lhs.shape[0] if rows_hint is None else rows_hint)
 
 
@@ -354,7 +362,5 @@ def grouped_matmul_w8a8_rows(values_rows: jax.Array, row_scales: jax.Array, valu
                              group_sizes: jax.Array, *, block_m: int = 64, rows_hint: int | None = None) -> jax.Array:
     """`grouped_matmul_w8a8` of rows already quantized (`quantize_rows`: values_rows [M, K] e4m3, row_scales
     [M, K / 128] float32), e.g. rows that travelled so; not differentiable (e4m3 operands)."""
-    fp8_dot.install()
-    return _call(values_rows, values, group_sizes.astype(jnp.int32), transpose_rhs=False, out_dtype=jnp.float32,
-                 block_m=block_m, rows_hint=values_rows.shape[0] if rows_hint is None else rows_hint, scales=scales,
-                 scale_block=(W8A8_BLOCK, W8A8_BLOCK), dtype=jnp.dtype(jnp.bfloat16), row_scales=row_scales)
+    return _w8a8_call(values_rows, row_scales, values, scales, group_sizes.astype(jnp.int32), block_m,
+                      values_rows.shape[0] if rows_hint is None else rows_hint)

@@ -165,6 +165,17 @@ def pad_sequence(ids: jax.Array, positions: jax.Array, lay: Layout) -> tuple[jax
 
 # -- the attention core --------------------------------------------------------------------------
 
+def _gather_in_order(x, lay: Layout, axis: int):
+    """Inside a shard_map over `lay.axes`: every device's shard of `x`, back in sequence order."""
+    return from_layout(jax.lax.all_gather(x, lay.axes, axis=axis, tiled=True), lay, axis=axis)
+
+
+def _gathered_keys(lay: Layout, c_kv, k_rope, positions, index_k):
+    """Inside a shard_map: (key positions, index keys or None, c_kv, k_rope), all of them in sequence order."""
+    return (_gather_in_order(positions, lay, 0), None if index_k is None else _gather_in_order(index_k, lay, 1),
+            _gather_in_order(c_kv, lay, 1), _gather_in_order(k_rope, lay, 1))
+
+
 def gather_key_side(lay: Layout, c_kv, k_rope, positions, index_k=None):
     """Every device's key side in sequence order, replicated (what `cp_sparse_attention` gathers per call): (key
     positions [L], index keys [B,L,I] or None, c_kv [B,L,C], k_rope [B,L,R]) from their layout-ordered shards. A
@@ -174,11 +185,7 @@ def gather_key_side(lay: Layout, c_kv, k_rope, positions, index_k=None):
     seq_spec, pos_spec = P(None, axes), P(axes)
 
     def per_device(c_kv, k_rope, positions, index_k):
-        def gather(x, axis):
-            return from_layout(jax.lax.all_gather(x, axes, axis=axis, tiled=True), lay, axis=axis)
-
-        return (gather(positions, 0), None if index_k is None else gather(index_k, 1), gather(c_kv, 1),
-                gather(k_rope, 1))
+        return _gathered_keys(lay, c_kv, k_rope, positions, index_k)
 
     fn = jax.shard_map(per_device, in_specs=(seq_spec, seq_spec, pos_spec, None if index_k is None else seq_spec),
                        out_specs=P(), axis_names=frozenset(axes), check_vma=False)  # every device: the same keys
@@ -203,13 +210,9 @@ def cp_sparse_attention(lay: Layout, q_lat, q_rope, c_kv, k_rope, positions, ind
     seq_spec = P(None, axes)
     pos_spec = P(axes)
 
-    def gather_keys(x, axis):  # every device's shard, back in sequence order
-        return from_layout(jax.lax.all_gather(x, axes, axis=axis, tiled=True), lay, axis=axis)
-
     def per_device(q_lat, q_rope, c_kv, k_rope, positions, index, prev_topk, q_positions, keys):
         if keys is None:
-            keys = (gather_keys(positions, 0), None if index is None else gather_keys(index[2], 1),
-                    gather_keys(c_kv, 1), gather_keys(k_rope, 1))
+            keys = _gathered_keys(lay, c_kv, k_rope, positions, None if index is None else index[2])
         key_pos, all_ik, all_c_kv, all_k_rope = keys
         if index is not None:
             iq, iw, _ = index

@@ -152,8 +152,9 @@ def _w8a8(xs: jax.Array | Fp8Rows, w: fp8.Fp8MmaWeight, group_sizes: jax.Array, 
                if fast else ragged_w8a8(xs.dequantized(jnp.float32), w, group_sizes))
         return out, xs.dequantized(dtype)
     rows = fp8_rows(xs)
-    if fast:  # its own straight-through VJP (the dequantized kernel, transposed)
-        out = grouped_matmul_w8a8(xs, w.values, w.scales, w.block, group_sizes, rows_hint=rows_hint)
+    if fast:  # its own straight-through VJP (the dequantized kernel, transposed); the rows quantized once, here
+        out = grouped_matmul_w8a8(xs, w.values, w.scales, w.block, group_sizes, rows_hint=rows_hint,
+                                  quantized=(rows.values, rows.scales))
     else:
         out = ragged_w8a8(_straight_through(xs.astype(jnp.float32), rows.dequantized(jnp.float32)), w, group_sizes)
     return out, _straight_through(xs, rows.dequantized(dtype).astype(xs.dtype))

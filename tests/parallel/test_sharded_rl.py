@@ -343,6 +343,32 @@ def test_whole_prompt_prefill_is_context_parallel_and_matches_chunked(model, pro
 
 
 
+def test_shared_prefix_gradients_through_query_blocks_match_one_device(model, batch, monkeypatch):
+    """shared_prefix differentiates the prompt's whole forward; past `WHOLE_QUERY_BLOCK` tokens per device (the 2M
+    prompt) its attention runs in query blocks against the key side gathered once (`context.gather_key_side`, a
+    replicated all-gather the blocks share): the LoRA gradients and log-probs equal one device's on folded=8 with 2
+    tokens per block."""
+    from glm52_jax.model import context_parallel
+
+    ref = lora_gradients(model, **batch, mode="shared_prefix", logprob_chunk=CHUNK)
+    monkeypatch.setattr(context_parallel, "WHOLE_QUERY_BLOCK", 2)
+    gathers = []
+    monkeypatch.setattr(context_parallel, "gather_key_side",
+                        lambda *a, _f=context_parallel.gather_key_side: gathers.append(1) or _f(*a))
+    mesh_spec, mesh = _mesh("folded=8")
+    with axis_rules(mesh_spec.rules()):
+        placed = place_model(model, mesh)
+        with jax.set_mesh(mesh):
+            out = lora_gradients(placed, **batch, mode="shared_prefix", logprob_chunk=CHUNK)
+    assert gathers  # the blocked path ran
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(ref.logprobs), rtol=1e-5, atol=1e-5)
+    got = dict(nnx.to_flat_state(out.grads))
+    for path, var in nnx.to_flat_state(ref.grads):
+        expected = np.asarray(var.get_value())
+        assert np.linalg.norm(expected) > 0, path
+        assert _rel_l2(expected, got[path].get_value()) <= 1e-5, path
+
+
 def test_fp8_indexer_rescoring_every_key_samples_as_bf16(model, prompt, reference_sampling):
     """`indexer_dtype="fp8"` with `indexer_candidates` >= every key: the FP8 loops keep all keys and the rescoring
     selects bf16 scoring's top-k in each path the 2M run takes on a mesh: the whole-prompt context-parallel prefill
